@@ -1,0 +1,177 @@
+"""The Python client of the m27 API (`m27.v1.PipelineService`), returning domain structs.
+
+    async with Client("127.0.0.1:50051") as client:
+        run_id = await client.submit(Path("pipeline.yaml").read_text(), vars={"SEED": "1"})
+        async for item in client.watch(run_id):
+            ...
+
+gRPC errors become `ClientError` (or its subclasses) with a message a person can act on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Mapping
+from types import TracebackType
+from typing import TypeVar
+
+import grpc
+import msgspec
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from m27.common import proto
+from m27.common.errors import M27Error, NotFoundError
+from m27.common.grpc_server import CLIENT_OPTIONS
+from m27.common.model import RunRecord, RunState, Urgency
+from m27.v1 import pipeline_pb2 as pb
+from m27.v1 import pipeline_pb2_grpc as pb_grpc
+
+Req = TypeVar("Req")
+Resp = TypeVar("Resp")
+
+__all__ = ["Client", "ClientError", "PipelineRejected", "RunEvent", "RunSummary"]
+
+
+class ClientError(M27Error):
+    """The API could not be reached or refused the call."""
+
+
+class PipelineRejected(ClientError):
+    """The pipeline YAML has problems; the message lists every one of them."""
+
+
+class RunSummary(msgspec.Struct, frozen=True, kw_only=True):
+    run_id: str
+    name: str
+    user: str
+    state: RunState
+    created_at: float
+    ended_at: float | None
+    steps_total: int
+    steps_succeeded: int
+    steps_failed: int
+
+
+class RunEvent(msgspec.Struct, frozen=True, kw_only=True):
+    """One event of a watched run (see proto RunEvent)."""
+
+    type: str
+    at: float
+    run_id: str
+    step: str = ""
+    state: str = ""
+    previous: str = ""
+    attempt: int = 0
+    node_id: str = ""
+    exit_code: int | None = None
+    reason: str = ""
+    report_path: str = ""
+    final: bool = False
+
+
+class Client:
+    """An async connection to one orchestrator."""
+
+    def __init__(self, address: str, *, timeout: float = 15.0) -> None:
+        self.address = address
+        self.timeout = timeout
+        self._channel = grpc.aio.insecure_channel(address, options=CLIENT_OPTIONS)
+        self._stub = pb_grpc.PipelineServiceStub(self._channel)
+
+    async def __aenter__(self) -> Client:
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None,
+                        exc: BaseException | None, tb: TracebackType | None) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await self._channel.close(None)
+
+    async def wait_ready(self, timeout: float = 10.0) -> None:
+        """Wait until the API's health check says SERVING."""
+        stub = health_pb2_grpc.HealthStub(self._channel)
+        request = health_pb2.HealthCheckRequest(service="m27.v1.PipelineService")
+        try:
+            reply = await stub.Check(request, timeout=timeout, wait_for_ready=True)
+        except grpc.aio.AioRpcError as exc:
+            raise self._error(exc) from exc
+        if reply.status != health_pb2.HealthCheckResponse.SERVING:
+            raise ClientError(f"the m27 API at {self.address} is not serving yet")
+
+    async def submit(self, pipeline_yaml: str, *, vars: Mapping[str, str] | None = None,
+                     user: str = "", urgency: Urgency = "normal", workdir: str = "",
+                     source_name: str = "") -> str:
+        """Submit a pipeline; returns the new run id."""
+        request = pb.SubmitPipelineRequest(
+            pipeline_yaml=pipeline_yaml, vars=dict(vars or {}), user=user,
+            urgency=proto.urgency_to_proto(urgency), workdir=workdir, source_name=source_name)
+        reply = await self._call(self._stub.SubmitPipeline, request)
+        return str(reply.run_id)
+
+    async def get_run(self, run_id: str) -> RunRecord:
+        reply = await self._call(self._stub.GetRun, pb.GetRunRequest(run_id=run_id))
+        return proto.run_from_proto(reply)
+
+    async def list_runs(self, limit: int = 50) -> list[RunSummary]:
+        reply = await self._call(self._stub.ListRuns, pb.ListRunsRequest(limit=limit))
+        return [
+            RunSummary(run_id=r.run_id, name=r.name, user=r.user,
+                       state=proto.run_state_from_proto(r.state), created_at=r.created_at,
+                       ended_at=r.ended_at or None, steps_total=r.steps_total,
+                       steps_succeeded=r.steps_succeeded, steps_failed=r.steps_failed)
+            for r in reply.runs
+        ]
+
+    async def cancel(self, run_id: str, reason: str = "") -> RunState:
+        reply = await self._call(self._stub.CancelRun,
+                                 pb.CancelRunRequest(run_id=run_id, reason=reason))
+        return proto.run_state_from_proto(reply.state)
+
+    async def watch(self, run_id: str) -> AsyncIterator[RunRecord | RunEvent]:
+        """The run as it is now, then each event until (and including) its final one."""
+        stream = self._stub.WatchRun(pb.WatchRunRequest(run_id=run_id))
+        try:
+            async for item in stream:
+                if item.HasField("snapshot"):
+                    yield proto.run_from_proto(item.snapshot)
+                else:
+                    yield _event_from_proto(item.event)
+        except grpc.aio.AioRpcError as exc:
+            raise self._error(exc) from exc
+        finally:
+            stream.cancel()
+
+    async def _call(self, method: grpc.aio.UnaryUnaryMultiCallable[Req, Resp],
+                    request: Req) -> Resp:
+        try:
+            return await method(request, timeout=self.timeout)
+        except grpc.aio.AioRpcError as exc:
+            raise self._error(exc) from exc
+
+    def _error(self, exc: grpc.aio.AioRpcError) -> ClientError:
+        code, details = exc.code(), exc.details() or ""
+        if code == grpc.StatusCode.UNAVAILABLE:
+            return ClientError(f"cannot reach the m27 API at {self.address}: is it up? "
+                               "(start it with `m27 up`)")
+        if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+            return ClientError(f"the m27 API at {self.address} did not answer in time")
+        if code == grpc.StatusCode.NOT_FOUND:
+            return _NotFound(details)
+        if code == grpc.StatusCode.INVALID_ARGUMENT:
+            return PipelineRejected(details)
+        return ClientError(f"{code.name.lower()}: {details}")
+
+
+class _NotFound(ClientError, NotFoundError):
+    pass
+
+
+def _event_from_proto(message: pb.RunEvent) -> RunEvent:
+    return RunEvent(
+        type=message.type, at=message.at, run_id=message.run_id, step=message.step,
+        state=message.state, previous=message.previous, attempt=message.attempt,
+        node_id=message.node_id,
+        exit_code=message.exit_code if message.HasField("exit_code") else None,
+        reason=message.reason, report_path=message.report_path,
+        final=proto.is_final_event(message),
+    )

@@ -1,0 +1,261 @@
+"""Every message on the bus: events (what happened) and commands (what to do).
+
+Each is a frozen msgspec Struct tagged by a `type` field, encoded as plain JSON, so any NATS
+client can read them, e.g.
+`{"type":"step_state_changed","run_id":"r-…","step":"train","state":"running",…}`.
+Schema evolution: new fields get defaults; existing fields never change meaning.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+import msgspec
+
+from m27.common.model import (
+    GpuBackend,
+    GpuInfo,
+    GpuSample,
+    Resources,
+    RunState,
+    StepState,
+    StepType,
+    Urgency,
+)
+
+_TAG: Final = "type"
+
+
+class _Message(msgspec.Struct, frozen=True, kw_only=True, tag_field=_TAG):
+    """Base: every message carries its time (unix seconds)."""
+
+    at: float
+
+
+# ---------------------------------------------------------------- events: runs and steps
+
+
+class RunSubmitted(_Message, frozen=True, tag="run_submitted"):
+    run_id: str
+    name: str
+    user: str
+    urgency: Urgency
+    steps: tuple[str, ...]
+
+
+class RunStateChanged(_Message, frozen=True, tag="run_state_changed"):
+    run_id: str
+    state: RunState
+    previous: RunState | None
+    reason: str = ""
+
+
+class StepStateChanged(_Message, frozen=True, tag="step_state_changed"):
+    run_id: str
+    step: str
+    state: StepState
+    previous: StepState
+    attempt: int = 0
+    node_id: str | None = None
+    exit_code: int | None = None
+    reason: str = ""
+
+
+class ReportReady(_Message, frozen=True, tag="report_ready"):
+    run_id: str
+    path: str
+
+
+# ---------------------------------------------------------------- events: tasks on nodes
+
+
+class TaskPlaced(_Message, frozen=True, tag="task_placed"):
+    """The scheduler gave a task a node (and GPUs); the start command is on its way."""
+
+    task_id: str
+    run_id: str
+    step: str
+    attempt: int
+    node_id: str
+    gpu_ids: tuple[int, ...] = ()
+    gpu_share: float = 0.0
+    gpu_simulated: bool = False
+    reason: str = ""
+
+
+class TaskStarted(_Message, frozen=True, tag="task_started"):
+    task_id: str
+    run_id: str
+    step: str
+    attempt: int
+    node_id: str
+    pid: int
+    stdout_path: str = ""
+    stderr_path: str = ""
+
+
+class TaskExited(_Message, frozen=True, tag="task_exited"):
+    """The task's process group is gone. `exit_code` follows the shell: 128+N for signal N.
+
+    `started` is False when the process could not be started at all (bad workdir, ...).
+    """
+
+    task_id: str
+    run_id: str
+    step: str
+    attempt: int
+    node_id: str
+    exit_code: int
+    signal: int | None = None
+    started: bool = True
+    started_at: float | None = None
+    stdout_tail: str = ""
+    stderr_tail: str = ""
+    stdout_path: str = ""
+    stderr_path: str = ""
+    reason: str = ""
+
+
+# ---------------------------------------------------------------- events: nodes
+
+
+class NodeRegistered(_Message, frozen=True, tag="node_registered"):
+    node_id: str
+    hostname: str
+    backend: GpuBackend
+    gpus: tuple[GpuInfo, ...]
+    cpu_slots: int
+
+
+class NodeHeartbeat(_Message, frozen=True, tag="node_heartbeat"):
+    """Sent every `[node] heartbeat_interval` on core NATS (not stored in a stream)."""
+
+    node_id: str
+    backend: GpuBackend
+    gpus: tuple[GpuSample, ...] = ()
+    running: tuple[str, ...] = ()
+
+
+class NodeStopped(_Message, frozen=True, tag="node_stopped"):
+    """The agent shut down cleanly (its tasks were stopped first)."""
+
+    node_id: str
+    reason: str = ""
+
+
+class NodeLost(_Message, frozen=True, tag="node_lost"):
+    """The scheduler stopped hearing a node's heartbeats."""
+
+    node_id: str
+    last_heartbeat: float
+
+
+Event = (
+    RunSubmitted
+    | RunStateChanged
+    | StepStateChanged
+    | ReportReady
+    | TaskPlaced
+    | TaskStarted
+    | TaskExited
+    | NodeRegistered
+    | NodeHeartbeat
+    | NodeStopped
+    | NodeLost
+)
+TaskEvent = TaskPlaced | TaskStarted | TaskExited
+
+
+# ---------------------------------------------------------------- commands
+
+
+class EnqueueTask(_Message, frozen=True, tag="enqueue_task"):
+    """Orchestrator → scheduler: this step's dependencies succeeded; find it a place."""
+
+    task_id: str
+    run_id: str
+    step: str
+    attempt: int
+    step_type: StepType
+    resources: Resources
+    urgency: Urgency
+    user: str
+    command: str
+    workdir: str = ""
+    env: dict[str, str] = msgspec.field(default_factory=dict)
+    checkpoint_interval_s: float | None = None
+
+
+class CancelTask(_Message, frozen=True, tag="cancel_task"):
+    """Orchestrator → scheduler: drop the task if queued, stop it if running."""
+
+    task_id: str
+    attempt: int
+    reason: str = ""
+
+
+class StartTask(_Message, frozen=True, tag="start_task"):
+    """Scheduler → node-agent: run this step now on these GPUs."""
+
+    task_id: str
+    run_id: str
+    step: str
+    attempt: int
+    step_type: StepType
+    command: str
+    workdir: str = ""
+    env: dict[str, str] = msgspec.field(default_factory=dict)
+    gpu_ids: tuple[int, ...] = ()
+    gpu_share: float = 0.0
+    gpu_memory_mb: int = 0
+    checkpoint_interval_s: float | None = None
+
+
+class StopTask(_Message, frozen=True, tag="stop_task"):
+    """Scheduler → node-agent: SIGTERM the task's process group, SIGKILL after `grace_s`."""
+
+    task_id: str
+    attempt: int
+    grace_s: float = 10.0
+    reason: str = ""
+
+
+SchedulerCommand = EnqueueTask | CancelTask
+NodeCommand = StartTask | StopTask
+Command = SchedulerCommand | NodeCommand
+Message = Event | Command
+
+_encoder: Final = msgspec.json.Encoder()
+_event_decoder: Final = msgspec.json.Decoder(Event)
+_scheduler_command_decoder: Final = msgspec.json.Decoder(SchedulerCommand)
+_node_command_decoder: Final = msgspec.json.Decoder(NodeCommand)
+_message_decoder: Final = msgspec.json.Decoder(Message)
+
+
+def encode(message: Message) -> bytes:
+    """JSON bytes of any event or command, with its `type` tag."""
+    return _encoder.encode(message)
+
+
+def decode_event(data: bytes) -> Event:
+    """Raises msgspec.ValidationError / DecodeError for anything that is not an Event."""
+    return _event_decoder.decode(data)
+
+
+def decode_scheduler_command(data: bytes) -> SchedulerCommand:
+    return _scheduler_command_decoder.decode(data)
+
+
+def decode_node_command(data: bytes) -> NodeCommand:
+    return _node_command_decoder.decode(data)
+
+
+def decode_message(data: bytes) -> Message:
+    return _message_decoder.decode(data)
+
+
+def tag_of(message: Message) -> str:
+    """The `type` string a message carries on the wire."""
+    tag = type(message).__struct_config__.tag
+    assert isinstance(tag, str)
+    return tag

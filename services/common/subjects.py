@@ -1,0 +1,158 @@
+"""NATS subjects, JetStream streams, consumers and KV buckets: the bus contract, in one place.
+
+docs/architecture.md draws these; change both together.
+"""
+
+from __future__ import annotations
+
+from typing import Final, Literal
+
+import msgspec
+
+# ---------------------------------------------------------------- subjects
+
+PREFIX: Final = "m27"
+
+#: Every event stored in the events stream.
+EVENTS_ALL: Final = f"{PREFIX}.events.>"
+#: Run-level events (submitted, state changed) of every run.
+RUN_STATE_ALL: Final = f"{PREFIX}.events.run.*.state"
+#: Report announcements of every run.
+RUN_REPORT_ALL: Final = f"{PREFIX}.events.run.*.report"
+#: Task events (placed, started, exited) of every task.
+TASK_EVENTS_ALL: Final = f"{PREFIX}.events.task.>"
+#: Node events (registered, stopped, lost) of every node.
+NODE_EVENTS_ALL: Final = f"{PREFIX}.events.node.*"
+#: Heartbeats travel on core NATS only: frequent, and only the latest matters.
+HEARTBEAT_ALL: Final = f"{PREFIX}.heartbeat.*"
+#: Every command stored in the commands stream.
+COMMANDS_ALL: Final = f"{PREFIX}.cmd.>"
+#: Commands for the scheduler (enqueue, cancel).
+SCHEDULER_COMMANDS: Final = f"{PREFIX}.cmd.scheduler"
+
+
+def run_events(run_id: str) -> str:
+    """Everything about one run: its state, its steps, its report."""
+    return f"{PREFIX}.events.run.{run_id}.>"
+
+
+def run_state(run_id: str) -> str:
+    return f"{PREFIX}.events.run.{run_id}.state"
+
+
+def step_state(run_id: str, step: str) -> str:
+    return f"{PREFIX}.events.run.{run_id}.step.{step}"
+
+
+def run_report(run_id: str) -> str:
+    return f"{PREFIX}.events.run.{run_id}.report"
+
+
+def task_events(run_id: str, step: str) -> str:
+    return f"{PREFIX}.events.task.{run_id}.{step}"
+
+
+def node_events(node_id: str) -> str:
+    return f"{PREFIX}.events.node.{node_id}"
+
+
+def heartbeat(node_id: str) -> str:
+    return f"{PREFIX}.heartbeat.{node_id}"
+
+
+def node_commands(node_id: str) -> str:
+    return f"{PREFIX}.cmd.node.{node_id}"
+
+
+# ---------------------------------------------------------------- streams
+
+EVENTS_STREAM: Final = "M27_EVENTS"
+COMMANDS_STREAM: Final = "M27_COMMANDS"
+
+DAY: Final = 86400.0
+
+
+class StreamSpec(msgspec.Struct, frozen=True, kw_only=True):
+    name: str
+    subjects: tuple[str, ...]
+    retention: Literal["limits", "workqueue"]
+    max_age_s: float
+    description: str
+    duplicate_window_s: float = 120.0
+
+
+STREAMS: Final[tuple[StreamSpec, ...]] = (
+    StreamSpec(
+        name=EVENTS_STREAM,
+        subjects=(EVENTS_ALL,),
+        retention="limits",
+        max_age_s=30 * DAY,
+        description="What happened: run, step, task and node events (JSON).",
+    ),
+    StreamSpec(
+        name=COMMANDS_STREAM,
+        subjects=(COMMANDS_ALL,),
+        retention="workqueue",
+        max_age_s=7 * DAY,
+        description="What to do: commands to the scheduler and to each node-agent; "
+        "a message is removed once its consumer acks it.",
+    ),
+)
+
+# ---------------------------------------------------------------- durable consumers
+
+ORCHESTRATOR_TASK_EVENTS: Final = "orchestrator-task-events"
+ORCHESTRATOR_REPORTS: Final = "orchestrator-reports"
+SCHEDULER_COMMAND_CONSUMER: Final = "scheduler-commands"
+SCHEDULER_TASK_EVENTS: Final = "scheduler-task-events"
+REPORT_RUN_STATE: Final = "report-run-state"
+
+
+def node_command_consumer(node_id: str) -> str:
+    return f"node-{node_id}"
+
+
+# ---------------------------------------------------------------- KV buckets
+
+RUNS_BUCKET: Final = "m27_runs"
+NODES_BUCKET: Final = "m27_nodes"
+TASKS_BUCKET: Final = "m27_tasks"
+SERVICES_BUCKET: Final = "m27_services"
+CHECKPOINTS_BUCKET: Final = "m27_checkpoints"
+
+
+class BucketSpec(msgspec.Struct, frozen=True, kw_only=True):
+    name: str
+    description: str
+    history: int = 1
+    max_value_size: int = 4 * 1024 * 1024
+
+
+BUCKETS: Final[tuple[BucketSpec, ...]] = (
+    BucketSpec(
+        name=RUNS_BUCKET,
+        description="Orchestrator: run_id → the run with every step's state and its outbox.",
+        max_value_size=8 * 1024 * 1024,
+    ),
+    BucketSpec(
+        name=NODES_BUCKET, description="node_id → what the node registered, last heartbeat."
+    ),
+    BucketSpec(
+        name=TASKS_BUCKET,
+        description="Scheduler: queued and placed tasks (key: run_id.step).",
+    ),
+    BucketSpec(name=SERVICES_BUCKET, description="service.instance → gRPC address, pid, host."),
+    BucketSpec(
+        name=CHECKPOINTS_BUCKET,
+        description="Checkpoint-store: run_id.step.checkpoint_id → checkpoint record.",
+    ),
+)
+
+
+def task_key(task_id: str) -> str:
+    """A task id (`run/step`) as a KV key (`run.step`), so keys can be listed per run."""
+    return task_id.replace("/", ".")
+
+
+def service_key(name: str, instance: str) -> str:
+    return f"{name}.{instance}"

@@ -1,0 +1,5 @@
+"""The embedded, one-machine system behind `m27 up`: a real nats-server and every service."""
+
+from m27.embedded.nats_server import NatsServer, nats_server_binary
+
+__all__ = ["NatsServer", "nats_server_binary"]

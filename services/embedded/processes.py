@@ -1,0 +1,95 @@
+"""Start service processes (`python -m m27.<service> ...`) and wait until each is ready.
+
+Readiness is the `--ready-file` a service writes once NATS is connected, its topology ensured
+and its gRPC health SERVING. Used by `m27 up` and by the integration-test fixtures, so tests
+start services exactly the way users do.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import msgspec
+
+from m27.common.errors import M27Error
+from m27.embedded.nats_server import pid_alive, stop_process, tail
+
+
+class ServiceProcess(msgspec.Struct, kw_only=True):
+    """A started service: its process, where it logs, and (once ready) its gRPC address."""
+
+    name: str
+    module: str
+    pid: int
+    log_path: str
+    ready_file: str
+    grpc_address: str = ""
+
+
+def launch(name: str, module: str, args: Sequence[str], *, log_dir: Path,
+           detached: bool = False, env: Mapping[str, str] | None = None) -> ServiceProcess:
+    """Start `python -m <module> <args> --ready-file ...` with its output in `log_dir`."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log_path = log_dir / f"{name}.log"
+    ready_file = log_dir / f"{name}.ready"
+    ready_file.unlink(missing_ok=True)
+    child_env = dict(os.environ if env is None else env)
+    child_env.setdefault("PYTHONUNBUFFERED", "1")
+    with log_path.open("ab") as log_file:
+        process = subprocess.Popen(
+            [sys.executable, "-m", module, *args, "--ready-file", str(ready_file)],
+            stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
+            start_new_session=detached, env=child_env,
+        )
+    return ServiceProcess(name=name, module=module, pid=process.pid, log_path=str(log_path),
+                          ready_file=str(ready_file))
+
+
+def wait_ready(processes: Sequence[ServiceProcess], timeout: float = 60.0) -> None:
+    """Wait for every ready file; M27Error with the log tail of one that died or hung."""
+    deadline = time.monotonic() + timeout
+    waiting = list(processes)
+    while waiting:
+        for proc in list(waiting):
+            data = _read_ready(Path(proc.ready_file))
+            if data is not None and data.get("pid") == proc.pid:
+                proc.grpc_address = str(data.get("grpc_address", ""))
+                waiting.remove(proc)
+            elif not pid_alive(proc.pid):
+                _reap(proc.pid)
+                raise M27Error(f"{proc.name} exited while starting; its log "
+                               f"({proc.log_path}) ends with:\n{tail(Path(proc.log_path))}")
+        if waiting and time.monotonic() > deadline:
+            names = ", ".join(p.name for p in waiting)
+            last = waiting[0]
+            raise M27Error(f"not ready after {timeout:.0f}s: {names}; {last.name}'s log ends "
+                           f"with:\n{tail(Path(last.log_path))}")
+        if waiting:
+            time.sleep(0.05)
+
+
+def stop(processes: Sequence[ServiceProcess], timeout: float = 15.0) -> None:
+    """SIGTERM every process (in reverse order of start), SIGKILL what outlives `timeout`."""
+    for proc in reversed(processes):
+        stop_process(proc.pid, timeout)
+        _reap(proc.pid)
+
+
+def _reap(pid: int) -> None:
+    with contextlib.suppress(ChildProcessError):
+        os.waitpid(pid, os.WNOHANG)
+
+
+def _read_ready(path: Path) -> dict[str, object] | None:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None

@@ -1,0 +1,73 @@
+"""Fixtures that start the real thing: nats-server on a free port, services as processes.
+
+Point the suite at an existing server with M27_TEST_NATS_URL (its streams are shared then).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+
+import pytest
+
+from m27.embedded import NatsServer
+from m27.embedded.processes import ServiceProcess, launch, stop, wait_ready
+
+StartService = Callable[..., ServiceProcess]
+
+
+@pytest.fixture
+def nats_server(tmp_path: Path) -> Iterator[NatsServer]:
+    """A fresh nats-server with JetStream (fsync always) and its own temporary store."""
+    server = NatsServer(tmp_path / "nats")
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def nats_url(nats_server: NatsServer) -> str:
+    external = os.environ.get("M27_TEST_NATS_URL")
+    if external:
+        return external
+    assert nats_server.url is not None
+    return nats_server.url
+
+
+@pytest.fixture
+def m27_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """An isolated $M27_HOME and an empty config file, so no user settings leak in."""
+    home = tmp_path / "m27home"
+    home.mkdir()
+    config = tmp_path / "m2config"
+    config.write_text("")
+    monkeypatch.setenv("M27_HOME", str(home))
+    monkeypatch.setenv("M27_CONFIG", str(config))
+    return home
+
+
+@pytest.fixture
+def start_service(nats_url: str, m27_home: Path) -> Iterator[StartService]:
+    """Start `python -m m27.<module>` against the test's NATS; all are stopped at the end."""
+    started: list[ServiceProcess] = []
+
+    def _start(module: str, *args: str, name: str | None = None,
+               timeout: float = 60.0) -> ServiceProcess:
+        proc_name = name or module
+        proc = launch(proc_name, f"m27.{module}", ["--nats", nats_url, *args],
+                      log_dir=m27_home / "logs")
+        started.append(proc)
+        wait_ready([proc], timeout=timeout)
+        return proc
+
+    yield _start
+    stop(started)
+
+
+def service_log(proc: ServiceProcess) -> str:
+    return Path(proc.log_path).read_text(errors="replace")
+
+
+def start_all(start: StartService, modules: Sequence[str]) -> dict[str, ServiceProcess]:
+    return {m: start(m) for m in modules}
