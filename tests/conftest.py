@@ -6,13 +6,14 @@ Point the suite at an existing server with M27_TEST_NATS_URL (its streams are sh
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 from m27.embedded import NatsServer
 from m27.embedded.processes import ServiceProcess, launch, stop, wait_ready
+from tests.support import Cluster
 
 StartService = Callable[..., ServiceProcess]
 
@@ -65,9 +66,10 @@ def start_service(nats_url: str, m27_home: Path) -> Iterator[StartService]:
     stop(started)
 
 
-def service_log(proc: ServiceProcess) -> str:
-    return Path(proc.log_path).read_text(errors="replace")
-
-
-def start_all(start: StartService, modules: Sequence[str]) -> dict[str, ServiceProcess]:
-    return {m: start(m) for m in modules}
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    """One running system per test module (starting one costs about a second)."""
+    system = Cluster(tmp_path_factory.mktemp("cluster"))
+    system.start()
+    yield system
+    system.stop()

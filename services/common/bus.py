@@ -231,16 +231,23 @@ async def consume(
         max_ack_pending=1000,
     )
     sub = await js.pull_subscribe(filter_subject, durable=durable, stream=stream, config=config)
-    while not stop.is_set():
-        try:
-            messages = await sub.fetch(batch, timeout=0.5)
-        except nats.errors.TimeoutError:
-            continue
-        except (nats.errors.ConnectionClosedError, nats.errors.ConnectionReconnectingError):
-            await asyncio.sleep(0.5)
-            continue
-        for msg in messages:
-            await _handle_one(msg, handle, durable)
+    try:
+        while not stop.is_set():
+            try:
+                messages = await sub.fetch(batch, timeout=0.5)
+            except TimeoutError:  # nats.errors.TimeoutError, or asyncio's from inside fetch
+                continue
+            except (nats.errors.ConnectionClosedError,
+                    nats.errors.ConnectionReconnectingError):
+                await asyncio.sleep(0.5)
+                continue
+            for msg in messages:
+                await _handle_one(msg, handle, durable)
+    finally:
+        # Only the client-side inbox goes; the durable consumer keeps its position. Without
+        # this, draining the connection waits out its whole timeout at every shutdown.
+        with contextlib.suppress(Exception):
+            await sub.unsubscribe()
 
 
 async def _handle_one(msg: Msg, handle: Handler, durable: str) -> None:

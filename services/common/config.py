@@ -55,6 +55,7 @@ class CheckpointSection(msgspec.Struct, frozen=True, kw_only=True):
     compression_level: Annotated[int, msgspec.Meta(ge=1, le=22)] = 3
     diff_threshold: Size = 128 * 1024
     dir: str = ""  # empty: $M27_HOME/checkpoints
+    max_size: Size = 64 * 1024**3  # the largest checkpoint the store accepts
 
 
 class ReportSection(msgspec.Struct, frozen=True, kw_only=True):

@@ -98,6 +98,8 @@ class TaskExited(_Message, frozen=True, tag="task_exited"):
     """The task's process group is gone. `exit_code` follows the shell: 128+N for signal N.
 
     `started` is False when the process could not be started at all (bad workdir, ...).
+    `lost` is True when the scheduler gave up on the task because its node stopped sending
+    heartbeats; the task's real fate on that node is unknown.
     """
 
     task_id: str
@@ -105,7 +107,7 @@ class TaskExited(_Message, frozen=True, tag="task_exited"):
     step: str
     attempt: int
     node_id: str
-    exit_code: int
+    exit_code: int | None  # None: unknown (the node was lost)
     signal: int | None = None
     started: bool = True
     started_at: float | None = None
@@ -114,6 +116,7 @@ class TaskExited(_Message, frozen=True, tag="task_exited"):
     stdout_path: str = ""
     stderr_path: str = ""
     reason: str = ""
+    lost: bool = False
 
 
 # ---------------------------------------------------------------- events: nodes

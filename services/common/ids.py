@@ -7,14 +7,15 @@ import secrets
 import time
 
 # One NATS subject token / KV key segment: no dots, wildcards, spaces or slashes.
+# ASCII only and matched in full: `$` would accept a trailing newline, `\d` any Unicode digit.
 NAME_PATTERN = r"[A-Za-z0-9][A-Za-z0-9_-]{0,99}"
-NAME_RE = re.compile(rf"^{NAME_PATTERN}$")
-RUN_ID_RE = re.compile(r"^r-\d{8}-\d{6}-[0-9a-f]{6}$")
+NAME_RE = re.compile(NAME_PATTERN)
+RUN_ID_RE = re.compile(r"r-[0-9]{8}-[0-9]{6}-[0-9a-f]{6}")
 
 
 def is_valid_name(name: str) -> bool:
     """Step names and node ids: letters, digits, `_` and `-`, starting with a letter or digit."""
-    return bool(NAME_RE.match(name))
+    return NAME_RE.fullmatch(name) is not None
 
 
 def new_run_id(now: float, token: str | None = None) -> str:
@@ -24,7 +25,7 @@ def new_run_id(now: float, token: str | None = None) -> str:
 
 
 def is_valid_run_id(run_id: str) -> bool:
-    return bool(RUN_ID_RE.match(run_id))
+    return RUN_ID_RE.fullmatch(run_id) is not None
 
 
 def task_id(run_id: str, step: str) -> str:

@@ -17,7 +17,7 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +62,8 @@ class ServiceRuntime:
         self.bus: Bus | None = None
         self.grpc: GrpcServer | None = None
         self.started_at = time.time()
+        self.failure: BaseException | None = None
+        self._tasks: list[asyncio.Task[None]] = []
 
     @property
     def nats(self) -> Bus:
@@ -80,6 +82,29 @@ class ServiceRuntime:
         self.grpc = await start_server(self.args.grpc, registrations, service_names)
         log.info("grpc.listening", address=self.grpc.address, services=list(service_names))
         return self.grpc
+
+    def spawn(self, coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
+        """Run a long-lived loop; if it dies, the whole service stops (and exits 1)."""
+        task = asyncio.create_task(coro, name=name)
+        task.add_done_callback(self._on_task_done)
+        self._tasks.append(task)
+        return task
+
+    def _on_task_done(self, task: asyncio.Task[None]) -> None:
+        if task.cancelled() or task.exception() is None:
+            return
+        self.failure = task.exception()
+        log.error("service.loop_failed", loop=task.get_name(), error=repr(self.failure))
+        self.stop.set()
+
+    async def join(self, timeout: float = 10.0) -> None:
+        """Wait for the spawned loops to finish after `stop`; cancel the ones that do not."""
+        if not self._tasks:
+            return
+        _done, pending = await asyncio.wait(self._tasks, timeout=timeout)
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
 
     async def ready(self) -> None:
         """Mark the service ready everywhere that watches for it."""
@@ -100,6 +125,7 @@ class ServiceRuntime:
         log.info("service.ready", grpc_address=self.grpc.address)
 
     async def close(self) -> None:
+        await self.join()
         if self.bus is not None:
             with contextlib.suppress(Exception):
                 await self.bus.kv_delete(subjects.SERVICES_BUCKET,
@@ -153,3 +179,5 @@ async def _run(runtime: ServiceRuntime,
         await main(runtime)
     finally:
         await runtime.close()
+    if runtime.failure is not None:
+        raise M27Error(f"a service loop failed: {runtime.failure!r}")

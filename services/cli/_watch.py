@@ -1,0 +1,145 @@
+"""`m27 watch`: follow a run live. Rendering is pure; the loop only feeds it events.
+
+On a terminal the step table is redrawn in place (with elapsed times ticking); otherwise one
+line is printed per event, which suits logs and CI.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import sys
+import time
+from typing import Final, TextIO
+
+from msgspec.structs import replace
+
+from m27.client import Client, RunEvent
+from m27.common.model import TERMINAL_RUN_STATES, RunRecord, StepRecord, StepState
+from m27.common.units import format_duration
+
+SYMBOLS: Final[dict[str, str]] = {
+    "pending": "·", "queued": "…", "running": "▶", "succeeded": "✔", "failed": "✘",
+    "cancelled": "■", "skipped": "↷",
+}
+EXIT_CODES: Final[dict[str, int]] = {"succeeded": 0, "failed": 1, "cancelled": 3}
+
+
+def apply_event(run: RunRecord, event: RunEvent) -> RunRecord:
+    """The run view after `event` (a watcher's local copy; the server's record is truth)."""
+    if event.type == "run_state_changed" and event.state:
+        ended = event.at if event.state in TERMINAL_RUN_STATES else run.ended_at
+        started = run.started_at or (event.at if event.state == "running" else None)
+        return replace(run, state=event.state, ended_at=ended, started_at=started,
+                       reason=event.reason or run.reason)
+    if event.type == "step_state_changed":
+        steps = tuple(_step_after(s, event) if s.name == event.step else s for s in run.steps)
+        return replace(run, steps=steps)
+    return run
+
+
+def _step_after(step: StepRecord, event: RunEvent) -> StepRecord:
+    state: StepState = event.state  # type: ignore[assignment]
+    started = step.started_at or (event.at if state == "running" else None)
+    ended = event.at if state in {"succeeded", "failed", "cancelled", "skipped"} else None
+    return replace(step, state=state, attempt=event.attempt or step.attempt,
+                   node_id=event.node_id or step.node_id, started_at=started, ended_at=ended,
+                   exit_code=event.exit_code if event.exit_code is not None
+                   else step.exit_code, reason=event.reason or step.reason)
+
+
+def render_table(run: RunRecord, now: float) -> list[str]:
+    """The progress view: a header line and one line per step."""
+    done = sum(s.state == "succeeded" for s in run.steps)
+    took = format_duration(_elapsed(run.started_at or run.created_at, run.ended_at, now))
+    lines = [f"run {run.run_id}  {run.name}  {run.state}  {done}/{len(run.steps)} steps "
+             f"done  {took}"]
+    width = max((len(s.name) for s in run.steps), default=4)
+    for step in run.steps:
+        elapsed = (format_duration(_elapsed(step.started_at, step.ended_at, now))
+                   if step.started_at else "")
+        where = step.node_id or ""
+        extra = f"exit {step.exit_code}" if step.exit_code not in (None, 0) else ""
+        lines.append(f"  {SYMBOLS.get(step.state, '?')} {step.name:<{width}}  "
+                     f"{step.state:<9}  {elapsed:>7}  {where}  {extra}".rstrip())
+    return lines
+
+
+def _elapsed(start: float | None, end: float | None, now: float) -> float:
+    if start is None:
+        return 0.0
+    return max(0.0, (end or now) - start)
+
+
+def render_event_line(event: RunEvent) -> str | None:
+    """One log line per event for non-terminal output."""
+    stamp = time.strftime("%H:%M:%S", time.localtime(event.at))
+    if event.type == "step_state_changed":
+        where = f" on {event.node_id}" if event.node_id and event.state == "running" else ""
+        code = f" (exit {event.exit_code})" if event.exit_code not in (None, 0) else ""
+        why = f": {event.reason}" if event.reason and event.state != "succeeded" else ""
+        return f"{stamp} step {event.step}: {event.previous} → {event.state}{where}{code}{why}"
+    if event.type == "run_state_changed":
+        why = f": {event.reason}" if event.reason else ""
+        return f"{stamp} run {event.run_id}: {event.state}{why}"
+    return None
+
+
+class _Screen:
+    """Redraws a block of lines in place on a terminal."""
+
+    def __init__(self, out: TextIO) -> None:
+        self.out = out
+        self.drawn = 0
+
+    def draw(self, lines: list[str]) -> None:
+        if self.drawn:
+            self.out.write(f"\x1b[{self.drawn}F")
+        for line in lines:
+            self.out.write("\x1b[2K" + line + "\n")
+        self.out.flush()
+        self.drawn = len(lines)
+
+
+async def watch(client: Client, run_id: str, out: TextIO = sys.stdout,
+                live: bool | None = None) -> RunRecord:
+    """Follow the run until it ends; returns its last view."""
+    interactive = out.isatty() if live is None else live
+    screen = _Screen(out)
+    run: RunRecord | None = None
+    ticker: asyncio.Task[None] | None = None
+
+    async def tick() -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            if run is not None:
+                screen.draw(render_table(run, time.time()))
+
+    try:
+        async for item in client.watch(run_id):
+            if isinstance(item, RunRecord):
+                run = item
+                if not interactive:
+                    print("\n".join(render_table(run, time.time())), file=out, flush=True)
+                elif ticker is None:
+                    ticker = asyncio.create_task(tick())
+            elif run is not None:
+                run = apply_event(run, item)
+                if not interactive:
+                    line = render_event_line(item)
+                    if line:
+                        print(line, file=out, flush=True)
+            if interactive and run is not None:
+                screen.draw(render_table(run, time.time()))
+    finally:
+        if ticker is not None:
+            ticker.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await ticker
+    assert run is not None, "the watch stream always starts with the run"
+    return await client.get_run(run_id)
+
+
+def exit_code_for(run: RunRecord) -> int:
+    """0 succeeded, 1 failed, 3 cancelled, 4 still running."""
+    return EXIT_CODES.get(run.state, 4)

@@ -1,0 +1,131 @@
+"""Processes and process groups: the only place the agent touches the OS for a task.
+
+A step runs as `/bin/sh -c <command>` in its own session, so its process group id is its
+pid and everything it starts (unless it leaves the session itself) can be signalled at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import BinaryIO
+
+from m27.node_agent._tasks import decode_tail
+
+SHELL = "/bin/sh"
+
+
+async def spawn(command: str, *, cwd: Path, env: Mapping[str, str], stdout: Path,
+                stderr: Path) -> asyncio.subprocess.Process:
+    """Start the command in a new session; stdin is /dev/null, output goes to the log files.
+
+    The command string goes to sh untouched: the agent adds no quoting or expansion.
+    Raises OSError / ValueError when it cannot be started.
+    """
+    out, err = _open_logs(cwd, stdout, stderr)
+    with out, err:
+        return await asyncio.create_subprocess_exec(
+            SHELL, "-c", command,
+            stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=err,
+            cwd=cwd, env=dict(env), start_new_session=True,
+        )
+
+
+def _open_logs(cwd: Path, stdout: Path, stderr: Path) -> tuple[BinaryIO, BinaryIO]:
+    if not cwd.is_dir():
+        raise NotADirectoryError(f"workdir {cwd} does not exist or is not a directory")
+    stdout.parent.mkdir(parents=True, exist_ok=True)
+    stderr.parent.mkdir(parents=True, exist_ok=True)
+    out = stdout.open("wb")
+    try:
+        return out, stderr.open("wb")
+    except OSError:
+        out.close()
+        raise
+
+
+def signal_group(pgid: int, sig: int) -> bool:
+    """Send `sig` to a whole process group; False when the group is already gone."""
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        # Only possible if the pgid was reused by someone else's group: never touch that.
+        return False
+    return True
+
+
+def read_tail(path: Path, max_bytes: int) -> str:
+    """The last `max_bytes` of a log file, decoded leniently ("" if it cannot be read)."""
+    try:
+        with path.open("rb") as file:
+            size = file.seek(0, os.SEEK_END)
+            file.seek(max(0, size - max_bytes))
+            return decode_tail(file.read(max_bytes), truncated=size > max_bytes)
+    except OSError:
+        return ""
+
+
+# ---------------------------------------------------------------- orphans of an earlier agent
+
+
+def _pids() -> Iterator[int]:
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return
+    for name in names:
+        if name.isdigit():
+            yield int(name)
+
+
+def _environ(pid: int) -> bytes | None:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as file:
+            return file.read()
+    except OSError:
+        return None
+
+
+def _is_zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as file:
+            return file.read().rsplit(b")", 1)[1].split()[0] == b"Z"
+    except (OSError, IndexError):
+        return True
+
+
+def find_task_processes(task_id: str, attempt: int, node_id: str) -> list[int]:
+    """Live processes whose environment says they belong to this task attempt on this node.
+
+    The environment, not the pid, identifies them: pids are reused, and a process that
+    left its session keeps the M27_* variables it was started with.
+    """
+    wanted = {f"M27_TASK_ID={task_id}".encode(), f"M27_ATTEMPT={attempt}".encode(),
+              f"M27_NODE_ID={node_id}".encode()}
+    found: list[int] = []
+    for pid in _pids():
+        if pid == os.getpid():
+            continue
+        environ = _environ(pid)
+        if environ is None or not wanted.issubset(environ.split(b"\0")):
+            continue
+        if not _is_zombie(pid):
+            found.append(pid)
+    return found
+
+
+def kill_pids(pids: list[int]) -> int:
+    """SIGKILL each pid; how many were still there."""
+    killed = 0
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+            killed += 1
+        except (ProcessLookupError, PermissionError):
+            continue
+    return killed

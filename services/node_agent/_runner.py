@@ -1,0 +1,362 @@
+"""Runs steps on this node: start, watch, stop, and report each one on the bus.
+
+Every task's life ends in exactly one TaskExited: when its main process exits (what is left
+of its process group is then SIGKILLed, as Slurm ends a job step), when it cannot be
+started, or — after an agent crash — when the next agent finds it in the ledger.
+Events carry `msg_id`s (`<task>:<attempt>:started|exited`), so publishing one twice is a
+no-op for JetStream and every publish can simply be retried.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import signal
+import subprocess
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Final
+
+import nats.errors
+
+from m27.common import subjects
+from m27.common.bus import Bus, PoisonMessage
+from m27.common.events import StartTask, StopTask, TaskExited, TaskStarted
+from m27.common.logging import bound_contextvars, get_logger
+from m27.common.model import ServiceInfo
+from m27.node_agent import _ledger
+from m27.node_agent._gpus import Holding
+from m27.node_agent._process import (
+    find_task_processes,
+    kill_pids,
+    read_tail,
+    signal_group,
+    spawn,
+)
+from m27.node_agent._tasks import (
+    NOT_STARTED_EXIT_CODE,
+    STDERR_TAIL_BYTES,
+    STDOUT_TAIL_BYTES,
+    NodeContext,
+    TaskPaths,
+    exit_reason,
+    exit_status,
+    invalid_ids,
+    placement_problem,
+    stop_note,
+    task_env,
+    task_paths,
+)
+
+log = get_logger()
+
+CHECKPOINT_STORE_SERVICE: Final = "checkpoint-store"
+RETRY_MAX_DELAY_S: Final = 5.0
+TaskKey = tuple[str, int]
+
+
+class AgentStopping(Exception):
+    """A StartTask arrived while the agent shuts down; it is redelivered to the next agent."""
+
+
+class CannotStart(Exception):
+    """The task's process could not be started; the message says why."""
+
+
+@dataclass(eq=False)
+class RunningTask:
+    """A started task, from spawn until its TaskExited is stored."""
+
+    cmd: StartTask
+    paths: TaskPaths
+    process: asyncio.subprocess.Process
+    started_at: float
+    started_published: bool = False
+    stop_note: str | None = None
+    killed_after_s: float | None = None
+    publish_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    watcher: asyncio.Task[None] | None = None
+    escalations: list[asyncio.Task[None]] = field(default_factory=list)
+
+    @property
+    def key(self) -> TaskKey:
+        return (self.cmd.task_id, self.cmd.attempt)
+
+    @property
+    def alive(self) -> bool:
+        return self.process.returncode is None
+
+
+def _msg_id(cmd: StartTask, what: str) -> str:
+    return f"{cmd.task_id}:{cmd.attempt}:{what}"
+
+
+class TaskRunner:
+    """The node's tasks. Handlers call `start`/`stop`; the agent reads `holdings`."""
+
+    def __init__(self, bus: Bus, node: NodeContext, *, stop_grace_s: float,
+                 environ: Mapping[str, str],
+                 clock: Callable[[], float] = time.time) -> None:
+        self._bus = bus
+        self._node = node
+        self._stop_grace_s = stop_grace_s
+        self._environ = dict(environ)
+        self._clock = clock
+        self._tasks: dict[TaskKey, RunningTask] = {}
+        self._seen: dict[str, int] = {}
+        self._ledger_path = _ledger.ledger_path(node.home, node.node_id)
+        self.accepting = True
+
+    # ------------------------------------------------------------ what runs here
+
+    def holdings(self) -> list[Holding]:
+        return [Holding(gpu_ids=t.cmd.gpu_ids, gpu_share=t.cmd.gpu_share)
+                for t in self._tasks.values() if t.alive]
+
+    def running_ids(self) -> tuple[str, ...]:
+        return tuple(sorted({t.cmd.task_id for t in self._tasks.values() if t.alive}))
+
+    # ------------------------------------------------------------ StartTask
+
+    async def start(self, cmd: StartTask) -> None:
+        """Run the task once per (task_id, attempt); return once TaskStarted is stored."""
+        problem = invalid_ids(cmd)
+        if problem:
+            raise PoisonMessage(f"StartTask {cmd.task_id!r}: {problem}")
+        if not self.accepting:
+            raise AgentStopping(f"node agent stopping; {cmd.task_id} left for redelivery")
+        with bound_contextvars(task_id=cmd.task_id, run_id=cmd.run_id, attempt=cmd.attempt):
+            latest = self._seen.get(cmd.task_id)
+            if latest is not None and cmd.attempt <= latest:
+                await self._on_duplicate(cmd, latest)
+                return
+            self._supersede(cmd)
+            paths = task_paths(self._node.home, cmd)
+            try:
+                task = await self._launch(cmd, paths)
+            except CannotStart as exc:
+                await self._report_not_started(cmd, paths, str(exc))
+                return
+            await self._ensure_started_published(task)
+
+    async def _on_duplicate(self, cmd: StartTask, latest: int) -> None:
+        task = self._tasks.get((cmd.task_id, cmd.attempt))
+        if task is not None:
+            await self._ensure_started_published(task)  # the first try may not have made it
+        log.info("task.duplicate_ignored", latest_attempt=latest,
+                 running=task is not None and task.alive)
+
+    def _supersede(self, cmd: StartTask) -> None:
+        """A newer attempt of a task still running here replaces the older one."""
+        for task in list(self._tasks.values()):
+            if task.cmd.task_id == cmd.task_id and task.alive:
+                self._terminate(task, f"superseded by attempt {cmd.attempt}",
+                                self._stop_grace_s)
+
+    async def _launch(self, cmd: StartTask, paths: TaskPaths) -> RunningTask:
+        problem = placement_problem(cmd, self._node.gpus)
+        if problem:
+            raise CannotStart(problem)
+        try:
+            if paths.default_workdir:
+                paths.workdir.mkdir(parents=True, exist_ok=True)
+            paths.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+            node = dataclasses.replace(self._node,
+                                       checkpoint_store=await self._checkpoint_store())
+            env = task_env(self._environ, cmd, node, paths)
+            process = await spawn(cmd.command, cwd=paths.workdir, env=env,
+                                  stdout=paths.stdout, stderr=paths.stderr)
+        except (OSError, ValueError, subprocess.SubprocessError) as exc:
+            raise CannotStart(str(exc)) from exc
+        task = RunningTask(cmd=cmd, paths=paths, process=process, started_at=self._clock())
+        self._tasks[task.key] = task
+        _ledger.remember(self._seen, cmd.task_id, cmd.attempt)
+        self._save_ledger()
+        task.watcher = asyncio.create_task(self._watch(task), name=f"watch {cmd.task_id}")
+        log.info("task.started", pid=process.pid, step=cmd.step, workdir=str(paths.workdir),
+                 gpu_ids=list(cmd.gpu_ids), gpu_share=cmd.gpu_share,
+                 gpu_backend=self._node.backend if cmd.gpu_ids else "none",
+                 command=cmd.command[:200])
+        return task
+
+    async def _report_not_started(self, cmd: StartTask, paths: TaskPaths, why: str) -> None:
+        """TaskExited(started=False); the attempt counts as seen only once that is stored."""
+        event = TaskExited(
+            at=self._clock(), task_id=cmd.task_id, run_id=cmd.run_id, step=cmd.step,
+            attempt=cmd.attempt, node_id=self._node.node_id,
+            exit_code=NOT_STARTED_EXIT_CODE, started=False,
+            stdout_path=str(paths.stdout), stderr_path=str(paths.stderr),
+            reason=f"could not start: {why}",
+        )
+        log.warning("task.not_started", reason=event.reason)
+        await self._bus.publish(subjects.task_events(cmd.run_id, cmd.step), event,
+                                msg_id=_msg_id(cmd, "exited"))
+        _ledger.remember(self._seen, cmd.task_id, cmd.attempt)
+        self._save_ledger()
+
+    async def _ensure_started_published(self, task: RunningTask) -> None:
+        async with task.publish_lock:
+            if task.started_published:
+                return
+            cmd = task.cmd
+            event = TaskStarted(
+                at=task.started_at, task_id=cmd.task_id, run_id=cmd.run_id, step=cmd.step,
+                attempt=cmd.attempt, node_id=self._node.node_id, pid=task.process.pid,
+                stdout_path=str(task.paths.stdout), stderr_path=str(task.paths.stderr),
+            )
+            await self._bus.publish(subjects.task_events(cmd.run_id, cmd.step), event,
+                                    msg_id=_msg_id(cmd, "started"))
+            task.started_published = True
+
+    async def _checkpoint_store(self) -> str | None:
+        """The gRPC address of the newest registered checkpoint-store, if any."""
+        prefix = f"{CHECKPOINT_STORE_SERVICE}."
+        try:
+            keys = [k for k in await self._bus.kv_keys(subjects.SERVICES_BUCKET)
+                    if k.startswith(prefix)]
+            found = [await self._bus.kv_get(subjects.SERVICES_BUCKET, k, ServiceInfo)
+                     for k in keys]
+        except Exception as exc:
+            log.warning("checkpoint_store.lookup_failed", error=str(exc))
+            return None
+        infos = [entry[0] for entry in found if entry is not None]
+        newest = max(infos, key=lambda info: info.started_at, default=None)
+        return newest.grpc_address if newest else None
+
+    # ------------------------------------------------------------ exit
+
+    async def _watch(self, task: RunningTask) -> None:
+        cmd = task.cmd
+        with bound_contextvars(task_id=cmd.task_id, run_id=cmd.run_id, attempt=cmd.attempt):
+            try:
+                await self._report_exit(task)
+            except Exception as exc:  # a bug here must at least be visible
+                log.exception("task.watch_failed", error=str(exc))
+
+    async def _report_exit(self, task: RunningTask) -> None:
+        returncode = await task.process.wait()
+        group_left = signal_group(task.process.pid, signal.SIGKILL)
+        for escalation in task.escalations:
+            escalation.cancel()
+        event = self._exited_event(task, returncode)
+        log.info("task.exited", exit_code=event.exit_code, signal=event.signal,
+                 reason=event.reason, group_killed=group_left,
+                 duration_s=round(event.at - task.started_at, 3))
+        await self._retrying("task exit", lambda: self._publish_exit(task, event))
+        self._tasks.pop(task.key, None)
+        self._save_ledger()
+
+    def _exited_event(self, task: RunningTask, returncode: int) -> TaskExited:
+        cmd = task.cmd
+        exit_code, sig = exit_status(returncode)
+        return TaskExited(
+            at=self._clock(), task_id=cmd.task_id, run_id=cmd.run_id, step=cmd.step,
+            attempt=cmd.attempt, node_id=self._node.node_id, exit_code=exit_code,
+            signal=sig, started=True, started_at=task.started_at,
+            stdout_tail=read_tail(task.paths.stdout, STDOUT_TAIL_BYTES),
+            stderr_tail=read_tail(task.paths.stderr, STDERR_TAIL_BYTES),
+            stdout_path=str(task.paths.stdout), stderr_path=str(task.paths.stderr),
+            reason=exit_reason(exit_code, sig, task.stop_note, task.killed_after_s),
+        )
+
+    async def _publish_exit(self, task: RunningTask, event: TaskExited) -> None:
+        await self._ensure_started_published(task)  # started always precedes exited
+        await self._bus.publish(subjects.task_events(event.run_id, event.step), event,
+                                msg_id=_msg_id(task.cmd, "exited"))
+
+    async def _retrying(self, what: str, action: Callable[[], Awaitable[None]]) -> None:
+        """Until it succeeds: an exit must reach the bus, or its GPUs stay booked forever."""
+        delay = 0.2
+        while True:
+            try:
+                await action()
+                return
+            except (TimeoutError, nats.errors.Error) as exc:
+                log.warning("bus.publish_retry", what=what, error=str(exc) or type(exc).__name__,
+                            retry_in_s=delay)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, RETRY_MAX_DELAY_S)
+
+    # ------------------------------------------------------------ StopTask and shutdown
+
+    def stop(self, cmd: StopTask) -> None:
+        """SIGTERM the task's process group now, SIGKILL it after `grace_s`."""
+        with bound_contextvars(task_id=cmd.task_id, attempt=cmd.attempt):
+            task = self._tasks.get((cmd.task_id, cmd.attempt))
+            if task is None or not task.alive:
+                log.info("task.stop_ignored", reason=cmd.reason,
+                         why="finished" if task else "not running here")
+                return
+            self._terminate(task, stop_note(cmd.reason), cmd.grace_s)
+
+    def _terminate(self, task: RunningTask, note: str, grace_s: float) -> None:
+        if task.stop_note is None:
+            task.stop_note = note
+        signalled = signal_group(task.process.pid, signal.SIGTERM)
+        log.info("task.stopping", task_id=task.cmd.task_id, pid=task.process.pid,
+                 reason=note, grace_s=grace_s, signalled=signalled)
+        task.escalations.append(asyncio.create_task(self._escalate(task, grace_s)))
+
+    async def _escalate(self, task: RunningTask, grace_s: float) -> None:
+        await asyncio.sleep(grace_s)
+        if task.alive:
+            task.killed_after_s = grace_s
+            signal_group(task.process.pid, signal.SIGKILL)
+            log.warning("task.killed_after_grace", task_id=task.cmd.task_id, grace_s=grace_s)
+
+    async def stop_all(self, note: str, grace_s: float, report_timeout_s: float) -> int:
+        """Stop every task and wait (bounded) until their exits are reported."""
+        self.accepting = False
+        tasks = list(self._tasks.values())
+        for task in tasks:
+            if task.alive:
+                self._terminate(task, note, grace_s)
+        watchers = [t.watcher for t in tasks if t.watcher is not None]
+        if watchers:
+            _done, pending = await asyncio.wait(watchers, timeout=grace_s + report_timeout_s)
+            for watcher in pending:
+                watcher.cancel()
+            if pending:
+                log.error("tasks.exit_unreported", count=len(pending))
+        return len(tasks)
+
+    # ------------------------------------------------------------ the ledger
+
+    def _save_ledger(self) -> None:
+        running = tuple(
+            _ledger.LedgerTask(task_id=t.cmd.task_id, run_id=t.cmd.run_id, step=t.cmd.step,
+                               attempt=t.cmd.attempt, pid=t.process.pid,
+                               started_at=t.started_at, stdout_path=str(t.paths.stdout),
+                               stderr_path=str(t.paths.stderr))
+            for t in self._tasks.values())
+        _ledger.save(self._ledger_path, _ledger.LedgerState(
+            node_id=self._node.node_id, seen=self._seen, running=running))
+
+    async def recover(self) -> None:
+        """Load the ledger; kill and report the tasks an earlier agent left running."""
+        state = _ledger.load(self._ledger_path, self._node.node_id)
+        self._seen = dict(state.seen)
+        left: list[_ledger.LedgerTask] = []
+        for entry in state.running:
+            try:
+                await self._reap_orphan(entry)
+            except (TimeoutError, nats.errors.Error) as exc:
+                log.error("task.orphan_unreported", task_id=entry.task_id, error=str(exc))
+                left.append(entry)
+        _ledger.save(self._ledger_path, _ledger.LedgerState(
+            node_id=self._node.node_id, seen=self._seen, running=tuple(left)))
+
+    async def _reap_orphan(self, entry: _ledger.LedgerTask) -> None:
+        pids = await asyncio.to_thread(find_task_processes, entry.task_id, entry.attempt,
+                                       self._node.node_id)
+        killed = kill_pids(pids)
+        event = _ledger.orphan_exit(
+            entry, self._node.node_id, killed, self._clock(),
+            stdout_tail=read_tail(Path(entry.stdout_path), STDOUT_TAIL_BYTES),
+            stderr_tail=read_tail(Path(entry.stderr_path), STDERR_TAIL_BYTES))
+        log.warning("task.orphan_reaped", task_id=entry.task_id, attempt=entry.attempt,
+                    killed=killed, reason=event.reason)
+        await self._bus.publish(subjects.task_events(entry.run_id, entry.step), event,
+                                msg_id=f"{entry.task_id}:{entry.attempt}:exited")

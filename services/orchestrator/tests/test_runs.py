@@ -1,0 +1,192 @@
+"""The run state machine: release order, failures, cancellation, duplicates, the outbox."""
+
+from __future__ import annotations
+
+from m27.common import events, subjects
+from m27.common.ids import task_id
+from m27.orchestrator import runs
+from m27.orchestrator.pipeline import load_pipeline
+
+RUN = "r-20261201-000000-abcdef"
+SEED = """\
+pipeline:
+  - {name: prep, type: cpu, command: "echo prep"}
+  - {name: train, type: gpu, command: "echo train", depends_on: [prep]}
+  - {name: other, type: cpu, command: "echo other"}
+  - {name: analysis, type: gpu_light, command: "echo a", depends_on: [train]}
+"""
+
+
+def start() -> runs.StoredRun:
+    spec = load_pipeline(SEED)
+    return runs.new_run(spec, run_id=RUN, user="ada", urgency="high", variables={},
+                        workdir="/w", now=100.0)
+
+
+def flush(stored: runs.StoredRun) -> tuple[runs.StoredRun, list[events.Message]]:
+    sent = [o.message for o in stored.outbox]
+    return runs.without_published(stored, [o.msg_id for o in stored.outbox]), sent
+
+
+def started(stored: runs.StoredRun, step: str, now: float) -> runs.StoredRun:
+    record = stored.run.step(step)
+    assert record is not None
+    event = events.TaskStarted(at=now, task_id=task_id(RUN, step), run_id=RUN, step=step,
+                               attempt=record.attempt, node_id="n1", pid=42)
+    result = runs.apply_task_event(stored, event, now)
+    assert result is not None
+    return result
+
+
+def exited(stored: runs.StoredRun, step: str, code: int, now: float,
+           **extra: object) -> runs.StoredRun:
+    record = stored.run.step(step)
+    assert record is not None
+    event = events.TaskExited(at=now, task_id=task_id(RUN, step), run_id=RUN, step=step,
+                              attempt=record.attempt, node_id="n1", exit_code=code,
+                              stderr_tail="boom" if code else "", **extra)  # type: ignore[arg-type]
+    result = runs.apply_task_event(stored, event, now)
+    assert result is not None
+    return result
+
+
+def states(stored: runs.StoredRun) -> dict[str, str]:
+    return {s.name: s.state for s in stored.run.steps}
+
+
+def test_new_run_queues_only_steps_without_dependencies() -> None:
+    stored, sent = flush(start())
+    assert states(stored) == {"prep": "queued", "other": "queued", "train": "pending",
+                              "analysis": "pending"}
+    enqueued = [m for m in sent if isinstance(m, events.EnqueueTask)]
+    assert [m.step for m in enqueued] == ["prep", "other"]
+    assert all(m.attempt == 1 and m.urgency == "high" and m.workdir == "/w" for m in enqueued)
+    assert isinstance(sent[0], events.RunSubmitted)
+    assert stored.run.state == "queued"
+
+
+def test_outbox_ids_are_unique_and_subjects_match_messages() -> None:
+    stored = start()
+    ids = [o.msg_id for o in stored.outbox]
+    assert len(ids) == len(set(ids))
+    for outgoing in stored.outbox:
+        if isinstance(outgoing.message, events.EnqueueTask):
+            assert outgoing.subject == subjects.SCHEDULER_COMMANDS
+        elif isinstance(outgoing.message, events.StepStateChanged):
+            assert outgoing.subject == subjects.step_state(RUN, outgoing.message.step)
+
+
+def test_success_releases_dependents_and_finishes_the_run() -> None:
+    stored, _ = flush(start())
+    stored, sent = flush(started(stored, "prep", 101))
+    assert stored.run.state == "running"
+    assert any(isinstance(m, events.RunStateChanged) and m.state == "running" for m in sent)
+    stored, sent = flush(exited(stored, "prep", 0, 102))
+    assert states(stored)["train"] == "queued"
+    assert [m.step for m in sent if isinstance(m, events.EnqueueTask)] == ["train"]
+    for name, t in (("other", 103), ("train", 104), ("analysis", 106)):
+        if states(stored)[name] == "queued":
+            stored, _ = flush(started(stored, name, t))
+        stored, sent = flush(exited(stored, name, 0, t + 1))
+    assert stored.run.state == "succeeded"
+    assert stored.run.ended_at == 107
+    assert sent[-1] == events.RunStateChanged(at=107, run_id=RUN, state="succeeded",
+                                              previous="running")
+
+
+def test_failure_skips_descendants_but_independent_steps_continue() -> None:
+    stored, _ = flush(start())
+    stored, _ = flush(started(stored, "prep", 101))
+    stored, sent = flush(exited(stored, "prep", 3, 102))
+    assert states(stored) == {"prep": "failed", "train": "skipped", "analysis": "skipped",
+                              "other": "queued"}
+    skipped = [m for m in sent if isinstance(m, events.StepStateChanged)
+               and m.state == "skipped"]
+    assert [(m.step, m.reason) for m in skipped] == [
+        ("train", "upstream step prep failed"), ("analysis", "upstream step prep failed")]
+    prep = stored.run.step("prep")
+    assert prep is not None
+    assert prep.exit_code == 3
+    assert prep.stderr_tail == "boom"
+    assert stored.run.state == "running"
+    stored, _ = flush(started(stored, "other", 103))
+    stored, _ = flush(exited(stored, "other", 0, 104))
+    assert stored.run.state == "failed"
+    assert "prep" in stored.run.reason
+
+
+def test_duplicate_and_stale_events_change_nothing() -> None:
+    stored, _ = flush(start())
+    stored, _ = flush(started(stored, "prep", 101))
+    again = events.TaskStarted(at=101, task_id=task_id(RUN, "prep"), run_id=RUN, step="prep",
+                               attempt=1, node_id="n1", pid=42)
+    assert runs.apply_task_event(stored, again, 101.5) is None
+    stale = events.TaskExited(at=102, task_id=task_id(RUN, "prep"), run_id=RUN, step="prep",
+                              attempt=0, node_id="n1", exit_code=0)
+    assert runs.apply_task_event(stored, stale, 102) is None
+    unknown = events.TaskExited(at=102, task_id=task_id(RUN, "nope"), run_id=RUN, step="nope",
+                                attempt=1, node_id="n1", exit_code=0)
+    assert runs.apply_task_event(stored, unknown, 102) is None
+    stored, _ = flush(exited(stored, "prep", 0, 103))
+    late = events.TaskExited(at=104, task_id=task_id(RUN, "prep"), run_id=RUN, step="prep",
+                             attempt=1, node_id="n1", exit_code=1)
+    assert runs.apply_task_event(stored, late, 104) is None
+
+
+def test_cancel_stops_running_and_cancels_the_rest() -> None:
+    stored, _ = flush(start())
+    stored, _ = flush(started(stored, "prep", 101))
+    cancelled = runs.request_cancel(stored, "user asked", 102)
+    assert cancelled is not None
+    stored, sent = flush(cancelled)
+    stops = [m for m in sent if isinstance(m, events.CancelTask)]
+    assert {m.task_id for m in stops} == {task_id(RUN, "prep"), task_id(RUN, "other")}
+    assert states(stored) == {"prep": "running", "other": "cancelled", "train": "cancelled",
+                              "analysis": "cancelled"}
+    assert stored.run.state == "running"
+    assert runs.request_cancel(stored, "again", 103) is None
+    stored, sent = flush(exited(stored, "prep", 143, 104, signal=15))
+    assert states(stored)["prep"] == "cancelled"
+    assert stored.run.state == "cancelled"
+    assert not [m for m in sent if isinstance(m, events.EnqueueTask)]
+
+
+def test_cancelling_a_finished_run_does_nothing() -> None:
+    stored, _ = flush(start())
+    for name in ("prep", "other"):
+        stored, _ = flush(started(stored, name, 101))
+        stored, _ = flush(exited(stored, name, 1, 102))
+    assert stored.run.state == "failed"
+    assert runs.request_cancel(stored, "late", 103) is None
+
+
+def test_a_step_that_never_started_fails_with_the_reason() -> None:
+    stored, _ = flush(start())
+    stored = exited(stored, "prep", 127, 101, started=False, reason="could not start: no dir")
+    prep = stored.run.step("prep")
+    assert prep is not None
+    assert prep.state == "failed"
+    assert prep.reason == "could not start: no dir"
+
+
+def test_placement_is_recorded_without_a_state_change() -> None:
+    stored, _ = flush(start())
+    placed = events.TaskPlaced(at=100.5, task_id=task_id(RUN, "prep"), run_id=RUN, step="prep",
+                               attempt=1, node_id="n2", gpu_ids=(1,), gpu_share=0.5,
+                               gpu_simulated=True)
+    updated = runs.apply_task_event(stored, placed, 100.5)
+    assert updated is not None
+    prep = updated.run.step("prep")
+    assert prep is not None
+    assert (prep.state, prep.node_id, prep.gpu_ids, prep.gpu_simulated) == \
+        ("queued", "n2", (1,), True)
+    assert updated.outbox == ()
+
+
+def test_report_path_is_recorded_once() -> None:
+    stored, _ = flush(start())
+    ready = events.ReportReady(at=1.0, run_id=RUN, path="/r/x.html")
+    updated = runs.record_report(stored, ready)
+    assert updated is not None
+    assert updated.run.report_path == "/r/x.html"
+    assert runs.record_report(updated, ready) is None

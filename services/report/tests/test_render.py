@@ -1,0 +1,305 @@
+"""The HTML run report: content, escaping of everything users control, structure, determinism."""
+
+from __future__ import annotations
+
+import html
+import re
+from html.parser import HTMLParser
+from typing import Any
+
+import pytest
+
+from m27.common.model import RunRecord, StepRecord
+from m27.report import render_run_report, summary_line
+from m27.report._text import MAX_TAIL_CHARS, clean, clean_tail
+from m27.report._timeline import MAX_TICKS, bars, tick_step
+from m27.report.render import gpus_cell
+
+T0 = 1_714_566_896.0  # 2024-05-01 12:34:56 UTC
+GENERATED = T0 + 1000
+
+HOSTILE = (
+    "<script>alert(1)</script>",
+    '"><img src=x onerror=alert(1)>',
+    "'><svg onload=alert(1)>",
+    "</pre></details></section><iframe src=//evil>",
+)
+VOID_ELEMENTS = frozenset({"meta", "br", "hr", "img", "input", "link", "wbr"})
+
+
+def step(name: str = "train", **fields: Any) -> StepRecord:
+    values: dict[str, Any] = {"type": "cpu", "command": f"python {name}.py"}
+    values.update(fields)
+    return StepRecord(name=name, **values)
+
+
+def run(*steps: StepRecord, **fields: Any) -> RunRecord:
+    values: dict[str, Any] = {
+        "run_id": "r-20240501-123456-abcdef", "name": "sweep", "user": "alice",
+        "urgency": "normal", "state": "succeeded", "created_at": T0,
+        "started_at": T0 + 1, "ended_at": T0 + 500,
+    }
+    values.update(fields)
+    return RunRecord(steps=steps, **values)
+
+
+def finished(name: str, state: str = "succeeded", exit_code: int | None = 0,
+             start: float = 10, end: float = 20, **fields: Any) -> StepRecord:
+    values: dict[str, Any] = {"node_id": "node-a", "attempt": 1, **fields}
+    return step(name, state=state, exit_code=exit_code, started_at=T0 + start,
+                ended_at=T0 + end, **values)
+
+
+MIXED = run(
+    finished("prepare"),
+    finished("train", "failed", 1, 20, 300, type="gpu", gpu_ids=(0, 1), gpu_share=2.0,
+             stderr_tail="RuntimeError: CUDA out of memory\n", reason="exit code 1"),
+    finished("evaluate", "cancelled", 143, 25, 60, reason="cancelled by alice"),
+    step("plot", state="skipped", reason="dependency train failed"),
+    step("publish", state="pending"),
+    state="failed",
+)
+RUNS = {
+    "mixed": MIXED,
+    "one step": run(finished("only")),
+    "zero steps": run(),
+    "never started": run(step("a", state="pending"), step("b", state="queued"),
+                         state="cancelled", started_at=None, ended_at=None),
+    "step without an end": run(finished("a"), step("b", state="cancelled",
+                                                   started_at=T0 + 5), state="cancelled"),
+}
+
+
+class _Balance(HTMLParser):
+    """Records tags, attributes and nesting errors of a document."""
+
+    def __init__(self) -> None:
+        super().__init__(convert_charrefs=True)
+        self.stack: list[str] = []
+        self.errors: list[str] = []
+        self.tags: list[tuple[str, list[tuple[str, str | None]]]] = []
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        self.tags.append((tag, attrs))
+        if tag not in VOID_ELEMENTS:
+            self.stack.append(tag)
+
+    def handle_startendtag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        self.tags.append((tag, attrs))
+
+    def handle_endtag(self, tag: str) -> None:
+        if not self.stack or self.stack[-1] != tag:
+            self.errors.append(f"</{tag}> closes {self.stack[-1:] or 'nothing'}")
+            return
+        self.stack.pop()
+
+
+def parse(document: str) -> _Balance:
+    parser = _Balance()
+    parser.feed(document)
+    parser.close()
+    return parser
+
+
+def render(record: RunRecord) -> str:
+    return render_run_report(record, generated_at=GENERATED)
+
+
+@pytest.mark.parametrize("record", RUNS.values(), ids=RUNS.keys())
+def test_every_step_name_state_and_exit_code_appears(record: RunRecord) -> None:
+    document = render(record)
+    for s in record.steps:
+        assert f">{s.name}</a>" in document, s.name
+        assert f'<span class="badge state-{s.state}">{s.state}</span>' in document
+        if s.exit_code is not None:
+            assert re.search(rf">{s.exit_code}(</span>)?</td>", document), s.exit_code
+    assert f'<span class="badge state-{record.state}">{record.state}</span>' in document
+
+
+@pytest.mark.parametrize("record", RUNS.values(), ids=RUNS.keys())
+def test_tags_are_balanced(record: RunRecord) -> None:
+    """Every element the report opens is closed, in order, and the document is complete."""
+    parser = parse(render(record))
+    assert parser.errors == []
+    assert parser.stack == []
+    assert parser.tags[0][0] == "html"
+
+
+@pytest.mark.parametrize("record", RUNS.values(), ids=RUNS.keys())
+def test_timeline_has_one_bar_per_started_step(record: RunRecord) -> None:
+    parser = parse(render(record))
+    bar_rects = [attrs for tag, attrs in parser.tags
+                 if tag == "rect" and "bar" in (dict(attrs).get("class") or "").split()]
+    assert len(bar_rects) == sum(s.started_at is not None for s in record.steps)
+
+
+@pytest.mark.parametrize("record", RUNS.values(), ids=RUNS.keys())
+def test_output_is_deterministic(record: RunRecord) -> None:
+    assert render(record) == render(record)
+
+
+def test_only_the_footer_depends_on_generated_at() -> None:
+    first = render_run_report(MIXED, generated_at=GENERATED).splitlines()
+    second = render_run_report(MIXED, generated_at=GENERATED + 3600).splitlines()
+    differing = [a for a, b in zip(first, second, strict=True) if a != b]
+    assert len(differing) == 1
+    assert differing[0].startswith("<footer>")
+
+
+HOSTILE_FIELDS: dict[str, Any] = {
+    "run name": lambda v: run(finished("a"), name=v),
+    "user": lambda v: run(finished("a"), user=v),
+    "run reason": lambda v: run(finished("a"), reason=v),
+    "workdir": lambda v: run(finished("a"), workdir=v),
+    "step name (started)": lambda v: run(finished(v)),
+    "step name (not started)": lambda v: run(step(v)),
+    "command": lambda v: run(finished("a", command=v)),
+    "stderr tail": lambda v: run(finished("a", stderr_tail=v)),
+    "stdout tail": lambda v: run(finished("a", stdout_tail=v)),
+    "step reason": lambda v: run(finished("a", reason=v)),
+    "node id": lambda v: run(finished("a", node_id=v)),
+    "log path": lambda v: run(finished("a", stderr_path=v, stdout_path=v)),
+    "dependency": lambda v: run(finished("a", depends_on=(v,))),
+}
+
+
+@pytest.mark.parametrize("payload", HOSTILE)
+@pytest.mark.parametrize("field", HOSTILE_FIELDS)
+def test_user_strings_are_escaped(field: str, payload: str) -> None:
+    """No user-controlled string can add an element or attribute to the report."""
+    document = render(HOSTILE_FIELDS[field](payload))
+    assert payload not in document
+    assert html.escape(payload) in document
+    parser = parse(document)
+    assert parser.errors == []
+    assert not [tag for tag, _ in parser.tags if tag in {"script", "img", "iframe"}]
+    assert not [name for _, attrs in parser.tags for name, _ in attrs if name.startswith("on")]
+
+
+@pytest.mark.parametrize(("field", "make"), [
+    ("run name", lambda v: run(name=v)),
+    ("step name", lambda v: run(finished(v))),
+    ("command", lambda v: run(finished("a", command=v))),
+    ("stderr tail", lambda v: run(finished("a", stderr_tail=v))),
+])
+def test_control_characters_are_removed(field: str, make: Any) -> None:
+    document = render(make("ok\x00\x07\x1b\u202eEVIL\x7f\x9bdone"))
+    for char in "\x00\x07\x1b\u202e\x7f\x9b":
+        assert char not in document, (field, char)
+    assert "okEVILdone" in document
+
+
+def test_newlines_and_tabs_in_a_command_are_kept() -> None:
+    assert "line 1\n\tline 2" in render(run(finished("a", command="line 1\n\tline 2")))
+
+
+@pytest.mark.parametrize(("fields", "expected", "absent"), [
+    ({}, "—", "simulated"),
+    ({"gpu_ids": (0,), "gpu_share": 0.5}, "GPU 0", "simulated"),
+    ({"gpu_ids": (0, 1), "gpu_share": 2.0}, "GPUs 0, 1", "simulated"),
+    ({"gpu_ids": (3,), "gpu_share": 0.3, "gpu_simulated": True}, "simulated", None),
+    ({"gpu_simulated": True}, "simulated", None),
+])
+def test_gpus_cell(fields: dict[str, Any], expected: str, absent: str | None) -> None:
+    cell = gpus_cell(step(**fields))
+    assert expected in cell
+    if absent:
+        assert absent not in cell
+    if fields.get("gpu_share"):
+        assert f"{fields['gpu_share']:g}" in cell
+
+
+def test_simulated_gpus_are_labelled_in_the_report() -> None:
+    real = render(run(finished("a", gpu_ids=(0,), gpu_share=1.0)))
+    simulated = render(run(finished("a", gpu_ids=(0,), gpu_share=1.0, gpu_simulated=True)))
+    assert "simulated" not in real
+    assert '<span class="sim"' in simulated
+    assert "simulated</strong> GPUs" in simulated
+
+
+def test_missing_times_render_as_dashes() -> None:
+    document = render(RUNS["never started"])
+    assert "1970" not in document
+    assert "<dt>Started</dt><dd>—</dd>" in document
+    assert "<dt>Duration</dt><dd>—</dd>" in document
+    assert "No step started" in document
+
+
+def test_a_run_without_steps_renders() -> None:
+    document = render(run())
+    assert "No steps." in document
+    assert "<svg" not in document
+    assert "<table" not in document
+
+
+def test_header_shows_the_run() -> None:
+    document = render(MIXED)
+    for text in ("sweep", "r-20240501-123456-abcdef", "alice", "normal",
+                 "2024-05-01 12:34:56 UTC", "8m19s"):
+        assert text in document, text
+
+
+def test_failed_steps_are_open_and_succeeded_ones_folded() -> None:
+    document = render(MIXED)
+    assert '<details id="step-1" open>' in document  # train failed
+    assert '<details id="step-0">' in document  # prepare succeeded
+
+
+@pytest.mark.parametrize(("states", "expected"), [
+    ((), "No steps."),
+    (("succeeded",), "1 step: 1 succeeded"),
+    (("failed", "succeeded", "succeeded", "skipped"),
+     "4 steps: 2 succeeded, 1 failed, 1 skipped"),
+    (("pending", "cancelled"), "2 steps: 1 cancelled, 1 pending"),
+])
+def test_summary_line(states: tuple[str, ...], expected: str) -> None:
+    steps = tuple(step(f"s{i}", state=state) for i, state in enumerate(states))
+    assert summary_line(steps) == expected
+
+
+@pytest.mark.parametrize(("raw", "expected"), [
+    ("plain\n", "plain\n"),
+    ("\x1b[31mred\x1b[0m", "red"),
+    ("a\r\nb\r\n", "a\nb\n"),
+    ("10%\r50%\r100%\ndone", "100%\ndone"),
+    ("\x1b]0;title\x07text", "text"),
+    ("nul\x00byte", "nulbyte"),
+    ("lone \ud800 surrogate", "lone  surrogate"),
+])
+def test_clean_tail(raw: str, expected: str) -> None:
+    assert clean_tail(raw) == expected
+
+
+def test_a_long_tail_keeps_its_end() -> None:
+    tail = "x" * (MAX_TAIL_CHARS * 2) + "THE END"
+    cleaned = clean_tail(tail)
+    assert cleaned.endswith("THE END")
+    assert cleaned.startswith("… (earlier output cut)")
+    assert len(cleaned) < MAX_TAIL_CHARS + 100
+
+
+def test_clean_keeps_newlines_tabs_and_unicode() -> None:
+    assert clean("é ✓ 中文\n\tok") == "é ✓ 中文\n\tok"
+
+
+@pytest.mark.parametrize("span", [0.004, 0.5, 1, 7, 59, 60, 61, 3599, 3600, 86400, 10 * 86400])
+def test_tick_step_gives_few_ticks(span: float) -> None:
+    step_s = tick_step(span)
+    assert step_s > 0
+    assert span / step_s <= MAX_TICKS
+
+
+def test_bars_are_relative_to_the_first_start_and_open_ends_reach_the_run_end() -> None:
+    record = RUNS["step without an end"]
+    result = bars(record, generated_at=GENERATED)
+    assert [(b.name, b.start, b.end, b.open) for b in result] == [
+        ("a", 5.0, 15.0, False),
+        ("b", 0.0, 495.0, True),
+    ]
+
+
+def test_an_unknown_creation_time_is_not_shown_as_1970() -> None:
+    """The API sends 0 for a time it does not have."""
+    document = render(run(created_at=0.0, started_at=None, ended_at=None))
+    assert "1970" not in document
+    assert "<dt>Created</dt><dd>—</dd>" in document

@@ -1,0 +1,407 @@
+"""The node-agent as users run it: a real process against a real nats-server.
+
+Each test starts `python -m m27.node_agent --node-id n1 --gpus sim:2`, sends commands the way
+the scheduler does (JetStream, `m27.cmd.node.n1`) and watches the events it publishes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+from nats.aio.msg import Msg
+
+from m27.common import events, subjects
+from m27.common.bus import Bus
+from m27.common.ids import new_run_id, task_id
+from m27.common.model import NodeInfo
+from m27.embedded.nats_server import pid_alive
+from m27.embedded.processes import ServiceProcess
+
+pytestmark = pytest.mark.integration
+
+NODE = "n1"
+AGENT_ARGS = ("--node-id", NODE, "--gpus", "sim:2", "--heartbeat-interval", "1s")
+E = TypeVar("E", bound=events.Event)
+
+
+class Watch:
+    """Every event and heartbeat seen on core NATS since the test began."""
+
+    def __init__(self) -> None:
+        self.seen: list[events.Event] = []
+        self._changed = asyncio.Event()
+
+    async def on_message(self, msg: Msg) -> None:
+        self.seen.append(events.decode_event(msg.data))
+        self._changed.set()
+
+    async def wait_for(self, kind: type[E], predicate: Callable[[E], bool] = lambda _: True,
+                       timeout: float = 15.0) -> E:
+        """The first event of `kind` matching `predicate`, waiting for it up to `timeout`."""
+        deadline = time.monotonic() + timeout
+        while True:
+            for event in self.seen:
+                if isinstance(event, kind) and predicate(event):
+                    return event
+            left = deadline - time.monotonic()
+            if left <= 0:
+                kinds = [type(e).__name__ for e in self.seen[-20:]]
+                raise AssertionError(f"no matching {kind.__name__} within {timeout}s; "
+                                     f"last events: {kinds}")
+            self._changed.clear()
+            try:
+                await asyncio.wait_for(self._changed.wait(), left)
+            except TimeoutError:
+                continue
+
+    def all(self, kind: type[E], predicate: Callable[[E], bool] = lambda _: True) -> list[E]:
+        return [e for e in self.seen if isinstance(e, kind) and predicate(e)]
+
+
+@pytest.fixture
+async def bus(nats_url: str) -> AsyncIterator[Bus]:
+    bus = await Bus.open(nats_url, name="test")
+    yield bus
+    await bus.close()
+
+
+@pytest.fixture
+async def watch(bus: Bus) -> Watch:
+    watch = Watch()
+    await bus.nc.subscribe(subjects.EVENTS_ALL, cb=watch.on_message)
+    await bus.nc.subscribe(subjects.heartbeat(NODE), cb=watch.on_message)
+    await bus.nc.flush()
+    return watch
+
+
+@pytest.fixture
+def agent(start_service: Any, watch: Watch) -> ServiceProcess:
+    proc: ServiceProcess = start_service("node_agent", *AGENT_ARGS)
+    return proc
+
+
+def start_cmd(command: str = "true", *, run_id: str | None = None, step: str = "s1",
+              attempt: int = 1,
+              **changes: Any) -> events.StartTask:
+    run = run_id or new_run_id(time.time())
+    fields: dict[str, Any] = {
+        "at": time.time(), "task_id": task_id(run, step), "run_id": run, "step": step,
+        "attempt": attempt, "step_type": "cpu", "command": command,
+    }
+    fields.update(changes)
+    return events.StartTask(**fields)
+
+
+async def send(bus: Bus, command: events.NodeCommand) -> None:
+    await bus.publish(subjects.node_commands(NODE), command)
+
+
+def workdir(home: Path, cmd: events.StartTask) -> Path:
+    return home / "runs" / cmd.run_id / "work"
+
+
+async def wait_file(path: Path, timeout: float = 10.0) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.exists() and path.read_text().strip():
+            return path.read_text()
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"{path} did not appear within {timeout}s")
+
+
+async def wait_dead(pid: int, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while pid_alive(pid):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"pid {pid} still alive after {timeout}s")
+        await asyncio.sleep(0.05)
+
+
+def of(cmd: events.StartTask) -> Callable[[Any], bool]:
+    return lambda e: e.task_id == cmd.task_id and e.attempt == cmd.attempt
+
+
+# ---------------------------------------------------------------- registration and liveness
+
+
+async def test_registers_the_node_with_two_simulated_gpus(agent: ServiceProcess, bus: Bus,
+                                                          watch: Watch) -> None:
+    registered = await watch.wait_for(events.NodeRegistered)
+    assert registered.node_id == NODE
+    assert registered.backend == "simulated"
+    assert [g.uuid for g in registered.gpus] == ["SIM-n1-0", "SIM-n1-1"]
+    assert all(g.simulated and "simulated" in g.name for g in registered.gpus)
+    found = await bus.kv_get(subjects.NODES_BUCKET, NODE, NodeInfo)
+    assert found is not None
+    info = found[0]
+    assert (info.state, info.backend, len(info.gpus), info.pid) == \
+        ("up", "simulated", 2, agent.pid)
+    assert all(g.simulated for g in info.gpus)
+
+
+async def test_auto_without_an_nvidia_gpu_runs_cpu_only_and_says_so(
+        start_service: Any, bus: Bus, watch: Watch) -> None:
+    proc = start_service("node_agent", "--node-id", NODE, "--gpus", "auto")
+    registered = await watch.wait_for(events.NodeRegistered)
+    if registered.backend == "nvml":
+        assert registered.gpus
+        assert not any(g.simulated for g in registered.gpus)
+        return
+    assert (registered.backend, registered.gpus) == ("none", ())
+    assert "--gpus sim:N simulates" in Path(proc.log_path).read_text()
+    services = await bus.kv_keys(subjects.SERVICES_BUCKET)
+    assert f"node-agent.{NODE}" in services
+
+
+async def test_heartbeats_arrive_every_interval_and_refresh_the_node_record(
+        agent: ServiceProcess, bus: Bus, watch: Watch) -> None:
+    first = await watch.wait_for(events.NodeHeartbeat)
+    second = await watch.wait_for(events.NodeHeartbeat, lambda h: h.at > first.at)
+    assert 0.5 < second.at - first.at < 3.0
+    assert second.backend == "simulated"
+    assert [s.index for s in second.gpus] == [0, 1]
+    assert all(s.utilization_pct == 0 for s in second.gpus)
+    found = await bus.kv_get(subjects.NODES_BUCKET, NODE, NodeInfo)
+    assert found is not None
+    assert found[0].last_heartbeat >= first.at
+
+
+async def test_heartbeats_show_the_load_of_a_running_gpu_task(agent: ServiceProcess, bus: Bus,
+                                                              watch: Watch) -> None:
+    cmd = start_cmd("sleep 300", step_type="gpu_light", gpu_ids=(1,), gpu_share=0.5)
+    await send(bus, cmd)
+    beat = await watch.wait_for(events.NodeHeartbeat, lambda h: cmd.task_id in h.running)
+    assert beat.gpus[1].utilization_pct == 50.0
+    assert beat.gpus[1].memory_used_mb == 8192
+    assert beat.gpus[0].utilization_pct == 0.0
+    await send(bus, events.StopTask(at=time.time(), task_id=cmd.task_id, attempt=1, grace_s=2))
+    await watch.wait_for(events.TaskExited, of(cmd))
+    await watch.wait_for(events.NodeHeartbeat, lambda h: h.at > beat.at and not h.running)
+
+
+# ---------------------------------------------------------------- running steps
+
+
+async def test_a_failing_step_reports_its_exit_code_and_stderr_tail(
+        agent: ServiceProcess, bus: Bus, watch: Watch) -> None:
+    cmd = start_cmd("echo hi; echo oops >&2; exit 3")
+    await send(bus, cmd)
+    started = await watch.wait_for(events.TaskStarted, of(cmd))
+    exited = await watch.wait_for(events.TaskExited, of(cmd))
+    assert watch.seen.index(started) < watch.seen.index(exited)
+    assert (exited.exit_code, exited.signal, exited.started) == (3, None, True)
+    assert exited.reason == "exit code 3"
+    assert exited.stdout_tail == "hi\n"
+    assert "oops" in exited.stderr_tail
+    assert exited.started_at == started.at
+    assert exited.node_id == started.node_id == NODE
+    assert Path(exited.stdout_path).read_text() == "hi\n"
+    assert Path(exited.stderr_path).read_text() == "oops\n"
+    assert Path(exited.stderr_path).name == "s1.1.err"
+
+
+async def test_the_step_gets_its_placement_in_its_environment(
+        agent: ServiceProcess, bus: Bus, watch: Watch, m27_home: Path) -> None:
+    line = 'echo "$M27_TASK_ID $CUDA_VISIBLE_DEVICES $M27_GPU_BACKEND $M27_GPU_SHARE" > env.txt'
+    gpu = start_cmd(line, step="train", step_type="gpu", gpu_ids=(1,), gpu_share=1.0,
+                    env={"SEED": "7"}, checkpoint_interval_s=300.0)
+    cpu = start_cmd(line + '; echo "[$CUDA_VISIBLE_DEVICES] $SEED $M27_CHECKPOINT_DIR" >> env.txt'
+                    ' ; echo "$M27_PYTHON" >> env.txt', run_id=gpu.run_id, step="prep",
+                    env={"SEED": "7"})
+    for cmd in (gpu, cpu):
+        await send(bus, cmd)
+        exited = await watch.wait_for(events.TaskExited, of(cmd))
+        assert exited.exit_code == 0, exited.stderr_tail
+        text = (workdir(m27_home, cmd) / "env.txt").read_text().splitlines()
+        if cmd is gpu:
+            assert text == [f"{gpu.task_id} 1 simulated 1"]
+        else:
+            checkpoints = m27_home / "runs" / cpu.run_id / "checkpoints" / "prep"
+            assert text[0] == f"{cpu.task_id}  none 0"
+            assert text[1] == f"[] 7 {checkpoints}"
+            assert Path(text[2]).name.startswith("python")
+            assert checkpoints.is_dir()
+
+
+async def test_a_hostile_command_string_is_run_by_sh_exactly_as_given(
+        agent: ServiceProcess, bus: Bus, watch: Watch, m27_home: Path, tmp_path: Path) -> None:
+    hostile = ("printf '%s|' \"$(echo sub)\" '$M27_STEP' \"`echo tick`\" ';rm -rf /;' "
+               "'\"quoted\"' 'back\\slash' ünïcødé  $((6*7)) > out.txt\n"
+               "echo 'second line' >> out.txt; # trailing comment ' \"")
+    cmd = start_cmd(hostile)
+    await send(bus, cmd)
+    exited = await watch.wait_for(events.TaskExited, of(cmd))
+    assert exited.exit_code == 0, exited.stderr_tail
+    reference = tmp_path / "reference"
+    reference.mkdir()
+    await asyncio.to_thread(subprocess.run, ["/bin/sh", "-c", hostile], cwd=reference,
+                            check=True)
+    expected = (reference / "out.txt").read_text()
+    assert (workdir(m27_home, cmd) / "out.txt").read_text() == expected
+    assert expected.startswith("sub|$M27_STEP|tick|;rm -rf /;|\"quoted\"|back\\slash|")
+
+
+@pytest.mark.parametrize(("changes", "why"), [
+    ({"workdir": "/nonexistent/m27-test"}, "/nonexistent/m27-test"),
+    ({"command": "echo a\0b"}, "null"),
+    ({"gpu_ids": (5,), "step_type": "gpu"}, "GPU 5 not on this node"),
+])
+async def test_a_step_that_cannot_start_is_reported_not_started(
+        agent: ServiceProcess, bus: Bus, watch: Watch, changes: dict[str, Any],
+        why: str) -> None:
+    cmd = start_cmd(**{"command": "true", **changes})
+    await send(bus, cmd)
+    exited = await watch.wait_for(events.TaskExited, of(cmd))
+    assert (exited.started, exited.exit_code) == (False, 127)
+    assert exited.reason.startswith("could not start: ")
+    assert why in exited.reason
+    assert not watch.all(events.TaskStarted, of(cmd))
+
+
+# ---------------------------------------------------------------- stopping
+
+
+async def test_stop_task_kills_the_whole_process_group(
+        agent: ServiceProcess, bus: Bus, watch: Watch, m27_home: Path) -> None:
+    cmd = start_cmd("sleep 300 & echo $! > child.pid; sleep 300")
+    await send(bus, cmd)
+    started = await watch.wait_for(events.TaskStarted, of(cmd))
+    child = int(await wait_file(workdir(m27_home, cmd) / "child.pid"))
+    assert pid_alive(started.pid)
+    assert pid_alive(child)
+    await send(bus, events.StopTask(at=time.time(), task_id=cmd.task_id, attempt=1,
+                                    grace_s=10, reason="preempted"))
+    exited = await watch.wait_for(events.TaskExited, of(cmd))
+    assert (exited.exit_code, exited.signal) == (128 + signal.SIGTERM, signal.SIGTERM)
+    assert exited.reason == "killed by SIGTERM: stopped: preempted"
+    await wait_dead(started.pid, timeout=2)
+    await wait_dead(child, timeout=2)
+
+
+async def test_a_group_that_ignores_sigterm_is_killed_after_the_grace(
+        agent: ServiceProcess, bus: Bus, watch: Watch, m27_home: Path) -> None:
+    cmd = start_cmd("trap '' TERM; sleep 300 & echo $! > child.pid; wait")
+    await send(bus, cmd)
+    started = await watch.wait_for(events.TaskStarted, of(cmd))
+    child = int(await wait_file(workdir(m27_home, cmd) / "child.pid"))
+    sent = time.monotonic()
+    await send(bus, events.StopTask(at=time.time(), task_id=cmd.task_id, attempt=1,
+                                    grace_s=0.5))
+    exited = await watch.wait_for(events.TaskExited, of(cmd))
+    assert time.monotonic() - sent >= 0.5
+    assert (exited.exit_code, exited.signal) == (137, signal.SIGKILL)
+    assert exited.reason == "killed by SIGKILL: stopped (SIGKILL after 0.5s grace)"
+    await wait_dead(started.pid, timeout=2)
+    await wait_dead(child, timeout=2)
+
+
+async def test_what_a_step_leaves_behind_is_killed_when_it_exits(
+        agent: ServiceProcess, bus: Bus, watch: Watch, m27_home: Path) -> None:
+    cmd = start_cmd("sleep 300 & echo $! > child.pid; exit 0")
+    await send(bus, cmd)
+    exited = await watch.wait_for(events.TaskExited, of(cmd))
+    assert exited.exit_code == 0
+    child = int(await wait_file(workdir(m27_home, cmd) / "child.pid"))
+    await wait_dead(child, timeout=2)
+
+
+async def test_stopping_an_unknown_task_is_harmless(agent: ServiceProcess, bus: Bus,
+                                                   watch: Watch) -> None:
+    await send(bus, events.StopTask(at=time.time(), task_id="r-x/none", attempt=1))
+    cmd = start_cmd("true")
+    await send(bus, cmd)  # handled after the stop: the agent is still taking commands
+    exited = await watch.wait_for(events.TaskExited, of(cmd))
+    assert exited.exit_code == 0
+
+
+# ---------------------------------------------------------------- at most once
+
+
+async def test_a_duplicate_start_runs_the_step_once(agent: ServiceProcess, bus: Bus,
+                                                    watch: Watch, m27_home: Path) -> None:
+    cmd = start_cmd("echo ran >> runs.txt")
+    older = start_cmd("echo old >> runs.txt", run_id=cmd.run_id, attempt=0)
+    marker = start_cmd("true", run_id=cmd.run_id, step="marker")
+    for command in (cmd, cmd, older, marker):
+        await send(bus, command)
+    await watch.wait_for(events.TaskExited, of(marker))  # commands are handled in order
+    assert (workdir(m27_home, cmd) / "runs.txt").read_text() == "ran\n"
+    assert len(watch.all(events.TaskStarted, of(cmd))) == 1
+    assert len(watch.all(events.TaskExited, of(cmd))) == 1
+    assert not watch.all(events.TaskStarted, of(older))
+
+
+async def test_a_newer_attempt_replaces_one_still_running(agent: ServiceProcess, bus: Bus,
+                                                          watch: Watch) -> None:
+    first = start_cmd("sleep 300")
+    second = start_cmd("true", run_id=first.run_id, attempt=2)
+    await send(bus, first)
+    await watch.wait_for(events.TaskStarted, of(first))
+    await send(bus, second)
+    old = await watch.wait_for(events.TaskExited, of(first))
+    new = await watch.wait_for(events.TaskExited, of(second))
+    assert old.reason == "killed by SIGTERM: superseded by attempt 2"
+    assert new.exit_code == 0
+
+
+# ---------------------------------------------------------------- the agent's own life
+
+
+async def test_sigterm_stops_running_tasks_then_reports_the_node_stopped(
+        agent: ServiceProcess, bus: Bus, watch: Watch) -> None:
+    cmd = start_cmd("sleep 300")
+    await send(bus, cmd)
+    started = await watch.wait_for(events.TaskStarted, of(cmd))
+    os.kill(agent.pid, signal.SIGTERM)
+    exited = await watch.wait_for(events.TaskExited, of(cmd))
+    assert exited.signal == signal.SIGTERM
+    assert exited.reason == "killed by SIGTERM: node agent stopped"
+    stopped = await watch.wait_for(events.NodeStopped)
+    assert watch.seen.index(exited) < watch.seen.index(stopped)
+    found = await bus.kv_get(subjects.NODES_BUCKET, NODE, NodeInfo)
+    assert found is not None
+    assert found[0].state == "stopped"
+    await wait_dead(started.pid, timeout=2)
+    await wait_dead(agent.pid, timeout=10)
+
+
+async def test_a_restarted_agent_kills_and_reports_what_a_crashed_one_left_running(
+        start_service: Any, bus: Bus, watch: Watch, m27_home: Path) -> None:
+    crashed = start_service("node_agent", *AGENT_ARGS, name="agent-1")
+    cmd = start_cmd("sleep 300 & echo $! > child.pid; sleep 300")
+    await send(bus, cmd)
+    started = await watch.wait_for(events.TaskStarted, of(cmd))
+    child = int(await wait_file(workdir(m27_home, cmd) / "child.pid"))
+    os.kill(crashed.pid, signal.SIGKILL)
+    await wait_dead(crashed.pid)
+    assert pid_alive(started.pid), "a step outlives its agent (own session)"
+    start_service("node_agent", *AGENT_ARGS, name="agent-2")
+    exited = await watch.wait_for(events.TaskExited, of(cmd))
+    assert (exited.exit_code, exited.signal) == (137, signal.SIGKILL)
+    assert "restarted" in exited.reason
+    await wait_dead(started.pid, timeout=2)
+    await wait_dead(child, timeout=2)
+    marker = start_cmd("true", run_id=cmd.run_id, step="marker")
+    await send(bus, cmd)  # a late redelivery must not run it again
+    await send(bus, marker)
+    await watch.wait_for(events.TaskExited, of(marker))
+    assert len(watch.all(events.TaskStarted, of(cmd))) == 1
+
+
+def test_an_invalid_node_id_is_one_clear_line(nats_url: str, m27_home: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "m27.node_agent", "--nats", nats_url, "--node-id", "bad.id"],
+        capture_output=True, text=True, timeout=60, check=False)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert "invalid node id 'bad.id'" in lines[-1]
+    assert "Traceback" not in result.stderr
