@@ -64,7 +64,9 @@ async def connect(url: str, *, name: str, timeout: float = 10.0) -> NatsClient:
 
     while loop.time() < deadline:
         try:
-            nc = await nats.connect(
+            # nats-py keeps retrying a first connection forever when reconnects never give
+            # up, so the deadline is enforced here.
+            nc = await asyncio.wait_for(nats.connect(
                 url,
                 name=name,
                 connect_timeout=2,
@@ -76,13 +78,15 @@ async def connect(url: str, *, name: str, timeout: float = 10.0) -> NatsClient:
                 error_cb=_on_error,
                 disconnected_cb=on_disconnected,
                 reconnected_cb=_on_reconnected,
-            )
+            ), timeout=max(0.5, deadline - loop.time()))
             holder.append(nc)
             return nc
         except (TimeoutError, OSError, nats.errors.Error) as exc:
             last_error = exc
             await asyncio.sleep(0.25)
-    raise BusError(f"cannot reach NATS at {url} within {timeout:.0f}s: {last_error}")
+    reason = str(last_error) or type(last_error).__name__
+    raise BusError(f"cannot reach NATS at {url} within {timeout:.0f}s ({reason}); is "
+                   "nats-server running there? (`m27 up` starts one)")
 
 
 async def _on_error(exc: Exception) -> None:

@@ -63,6 +63,7 @@ class ServiceRuntime:
         self.grpc: GrpcServer | None = None
         self.started_at = time.time()
         self.failure: BaseException | None = None
+        self.is_ready = False
         self._tasks: list[asyncio.Task[None]] = []
 
     @property
@@ -122,6 +123,7 @@ class ServiceRuntime:
             write_json_atomic(self.args.ready_file,
                               {"name": self.name, "pid": os.getpid(),
                                "grpc_address": self.grpc.address})
+        self.is_ready = True
         log.info("service.ready", grpc_address=self.grpc.address)
 
     async def close(self) -> None:
@@ -173,10 +175,21 @@ def run_service(
 async def _run(runtime: ServiceRuntime,
                main: Callable[[ServiceRuntime], Awaitable[None]]) -> None:
     loop = asyncio.get_running_loop()
+    task = asyncio.current_task()
+
+    def on_signal() -> None:
+        runtime.stop.set()
+        if not runtime.is_ready and task is not None:
+            task.cancel()  # still starting (e.g. waiting for NATS): give up at once
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, runtime.stop.set)
+        loop.add_signal_handler(sig, on_signal)
     try:
         await main(runtime)
+    except asyncio.CancelledError:
+        if not runtime.stop.is_set():
+            raise
+        log.info("service.stopped_while_starting")
     finally:
         await runtime.close()
     if runtime.failure is not None:

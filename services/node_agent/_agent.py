@@ -121,11 +121,6 @@ class NodeAgent:
                               durable=subjects.node_command_consumer(self._node_id),
                               filter_subject=subjects.node_commands(self._node_id),
                               handle=self.handle, stop=self._stop)
-            except TimeoutError:
-                # nats-py's fetch can raise a bare asyncio.TimeoutError, which `consume`
-                # does not catch (it unsubscribes, then re-raises): an idle consumer, not a
-                # failure; go straight back.
-                log.debug("node.consumer_fetch_timeout")
             except Exception as exc:  # keep taking commands whatever went wrong
                 log.exception("node.consumer_failed", error=str(exc) or type(exc).__name__)
                 with contextlib.suppress(TimeoutError):

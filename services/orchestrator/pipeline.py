@@ -44,6 +44,7 @@ STEP_KEYS: Final = ("name", "type", "command", "depends_on", "output", "checkpoi
 PLACEHOLDER_RE: Final = re.compile(r"\{\{(.*?)\}\}")
 VAR_NAME_RE: Final = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _STR: Final = "tag:yaml.org,2002:str"
+_NULL: Final = "tag:yaml.org,2002:null"
 _KINDS: Final = {
     "tag:yaml.org,2002:int": "an integer", "tag:yaml.org,2002:float": "a number",
     "tag:yaml.org,2002:bool": "a boolean", "tag:yaml.org,2002:null": "nothing (null)",
@@ -200,10 +201,10 @@ class _Reader:
         return result
 
     def string(self, node: yaml.Node, path: str) -> str | None:
-        if isinstance(node, yaml.ScalarNode) and node.tag == _STR:
+        """A scalar's text as written: `command: true` is the shell's `true`, not a bool."""
+        if isinstance(node, yaml.ScalarNode) and node.tag != _NULL:
             return str(node.value)
-        self.problem(node, path, f"expected a string, got {_kind(node)}",
-                     "quote the value" if isinstance(node, yaml.ScalarNode) else "")
+        self.problem(node, path, f"expected a string, got {_kind(node)}")
         return None
 
     def document(self, root: yaml.Node, default_name: str) -> tuple[str, list[StepSpec]]:
@@ -343,7 +344,8 @@ def _kind(node: yaml.Node) -> str:
         return "a list"
     if node.tag == _STR:
         return f"the string {node.value!r}"
-    return _KINDS.get(node.tag, "a value") + (f" ({node.value})" if node.value else "")
+    shown = f" ({node.value})" if node.value and node.tag != _NULL else ""
+    return _KINDS.get(node.tag, "a value") + shown
 
 
 def _did_you_mean(value: str, choices: Sequence[str]) -> str:

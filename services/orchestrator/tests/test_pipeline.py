@@ -46,6 +46,12 @@ def test_seed_example_parses_as_written() -> None:
     assert 0 < analysis.resources.gpus < 1
 
 
+def test_scalar_commands_are_taken_as_written() -> None:
+    spec = load_pipeline("pipeline:\n  - {name: 2020, command: true}\n  - {name: b, "
+                         "command: 42, depends_on: [2020]}\n")
+    assert [(s.name, s.command) for s in spec.steps] == [("2020", "true"), ("b", "42")]
+
+
 def test_steps_come_in_dependency_order_even_if_declared_otherwise() -> None:
     text = """pipeline:
   - {name: c, command: x, depends_on: [b]}
@@ -123,7 +129,8 @@ def test_self_dependency_is_rejected() -> None:
     ("checkpoint", "0s", "longer than 0s"),
     ("name", "'has space'", "invalid step name"),
     ("name", "'a.b'", "invalid step name"),
-    ("command", "42", "expected a string, got an integer"),
+    ("command", "null", "expected a string, got nothing (null)"),
+    ("command", "[a, b]", "expected a string, got a list"),
     ("command", "''", "the command is empty"),
     ("depends_on", "{a: 1}", "expected a list of step names"),
 ])

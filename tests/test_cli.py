@@ -1,0 +1,167 @@
+"""The `m27` command as users run it: up, status, submit, watch, runs, show, cancel, down, demo.
+
+Every test uses its own $M27_HOME, so it starts (and stops) its own embedded system.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+
+class M27:
+    def __init__(self, home: Path, config: Path, cwd: Path) -> None:
+        self.env = {**os.environ, "M27_HOME": str(home), "M27_CONFIG": str(config)}
+        self.env.pop("M27_API", None)
+        self.cwd = cwd
+
+    def __call__(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "m27.cli", *args], env=self.env,
+                              cwd=self.cwd, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture
+def m27(tmp_path: Path) -> Iterator[M27]:
+    config = tmp_path / "m2config"
+    config.write_text("")
+    work = tmp_path / "work"
+    work.mkdir()
+    cli = M27(tmp_path / "home", config, work)
+    yield cli
+    cli("down", timeout=60)
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_commands_say_clearly_when_nothing_runs(m27: M27) -> None:
+    status = m27("status")
+    assert status.returncode == 1
+    assert "not running" in status.stdout
+    assert json.loads(m27("status", "--json").stdout)["up"] is False
+    runs = m27("runs")
+    assert runs.returncode == 1
+    assert runs.stderr.startswith("m27: nothing is running under ")
+    assert "m27 up" in runs.stderr
+    assert "Traceback" not in runs.stderr
+
+
+def test_help_explains_every_command(m27: M27) -> None:
+    text = m27("--help").stdout
+    for command in ("up", "down", "status", "submit", "watch", "runs", "show", "cancel",
+                    "demo"):
+        assert command in text
+    assert "--var NAME=VALUE" in m27("submit", "--help").stdout
+
+
+def test_the_whole_lifecycle_on_one_machine(m27: M27) -> None:
+    up = m27("up", "--nodes", "2")
+    assert up.returncode == 0, up.stderr
+    assert "m27 started" in up.stdout
+    assert "simulated" in up.stdout
+    assert "already running" in m27("up").stdout
+    status = json.loads(m27("status", "--json").stdout)
+    assert status["up"] is True
+    assert status["nats_url"].startswith("nats://127.0.0.1:")
+    assert status["api"].startswith("127.0.0.1:")
+    names = [p["name"] for p in status["processes"]]
+    assert names == ["nats-server", "orchestrator", "scheduler", "checkpoint-store", "report",
+                     "node-agent-1", "node-agent-2"]
+    pids = [p["pid"] for p in status["processes"]]
+    assert all(alive(pid) for pid in pids)
+
+    good = m27.cwd / "good.yaml"
+    good.write_text("pipeline:\n  - name: hello\n    type: gpu_light\n"
+                    "    command: printf '%s' {{MSG}} > out.txt\n")
+    submitted = m27("submit", str(good), "--var", "MSG=hi; touch pwned")
+    assert submitted.returncode == 0, submitted.stderr
+    run_id = submitted.stdout.strip()
+    watched = m27("watch", run_id)
+    assert watched.returncode == 0, watched.stdout + watched.stderr
+    assert "run succeeded" in watched.stdout
+    assert (m27.cwd / "out.txt").read_text() == "hi; touch pwned"
+    assert not (m27.cwd / "pwned").exists()
+
+    bad = m27.cwd / "bad.yaml"
+    bad.write_text("pipeline:\n  - name: a\n    command: exit 7\n  - name: b\n"
+                   "    depends_on: [a]\n    command: echo\n")
+    failing = m27("submit", str(bad), "--watch")
+    assert failing.returncode == 1
+    failed_id = failing.stdout.strip()
+    shown = json.loads(m27("show", failed_id, "--json").stdout)
+    assert [(s["name"], s["state"], s["exit_code"]) for s in shown["steps"]] == [
+        ("a", "failed", 7), ("b", "skipped", None)]
+
+    listed = m27("runs").stdout
+    assert run_id in listed
+    assert failed_id in listed
+
+    down = m27("down")
+    assert down.returncode == 0
+    deadline = time.monotonic() + 20
+    while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(alive(pid) for pid in pids)
+    assert m27("status").returncode == 1
+
+
+def test_cancel_from_the_command_line(m27: M27) -> None:
+    assert m27("up").returncode == 0
+    long = m27.cwd / "long.yaml"
+    long.write_text("pipeline:\n  - {name: wait, command: 'sleep 120'}\n")
+    run_id = m27("submit", str(long)).stdout.strip()
+    deadline = time.monotonic() + 20
+    while "running" not in m27("show", run_id).stdout and time.monotonic() < deadline:
+        time.sleep(0.2)
+    cancel = m27("cancel", run_id, "--reason", "changed my mind")
+    assert cancel.returncode == 0
+    watched = m27("watch", run_id)
+    assert watched.returncode == 3
+    assert "cancelled" in watched.stdout
+
+
+def test_bad_pipelines_are_reported_with_their_location(m27: M27) -> None:
+    assert m27("up").returncode == 0
+    broken = m27.cwd / "broken.yaml"
+    broken.write_text("pipeline:\n  - name: a\n    typ: gpu\n    command: echo {{X}}\n")
+    result = m27("submit", str(broken))
+    assert result.returncode == 1
+    assert "broken.yaml:3:5: pipeline[0].typ: unknown key `typ` (did you mean `type`?)" \
+        in result.stderr
+    assert "undefined variable `X`" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert m27("submit", str(m27.cwd / "missing.yaml")).stderr.strip().endswith(
+        "missing.yaml: no such file")
+    assert "expects NAME=VALUE" in m27("submit", str(broken), "--var", "novalue").stderr
+
+
+@pytest.mark.slow
+def test_demo_runs_to_a_finished_report(m27: M27) -> None:
+    demo = m27("demo", "--epochs", "2", timeout=300)
+    assert demo.returncode == 0, demo.stdout + demo.stderr
+    report = Path(demo.stdout.strip().rsplit("report: ", 1)[1])
+    html = report.read_text()
+    for step in ("preprocessing", "training", "analysis"):
+        assert step in html
+    assert "simulated" in html
+    workdir = Path(demo.stdout.split("working in ", 1)[1].split(")", 1)[0])
+    analysis = json.loads((workdir / "analysis.json").read_text())
+    assert analysis["test_samples"] > 0
+    assert 0.0 <= analysis["accuracy"] <= 1.0

@@ -1,0 +1,69 @@
+"""Every service fails fast and clearly without NATS, and stops promptly when told to."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+MODULES = ["orchestrator", "scheduler", "node_agent", "checkpoint_store", "report"]
+
+
+def closed_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def start(module: str, tmp_path: Path) -> subprocess.Popen[str]:
+    env = {**os.environ, "M27_HOME": str(tmp_path), "M27_CONFIG": os.devnull,
+           "M27_NATS_CONNECT_TIMEOUT": "1s"}
+    return subprocess.Popen(
+        [sys.executable, "-m", f"m27.{module}", "--nats", f"nats://127.0.0.1:{closed_port()}",
+         "--log-json"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+@pytest.mark.parametrize("module", MODULES)
+def test_without_nats_a_service_exits_1_naming_the_url(module: str, tmp_path: Path) -> None:
+    began = time.monotonic()
+    proc = start(module, tmp_path)
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 1, out
+    assert "cannot reach NATS at nats://127.0.0.1:" in out
+    assert "Traceback" not in out
+    assert time.monotonic() - began < 15
+
+
+def test_sigterm_while_waiting_for_nats_stops_at_once(tmp_path: Path) -> None:
+    env_timeout = "60s"
+    env = {**os.environ, "M27_HOME": str(tmp_path), "M27_CONFIG": os.devnull,
+           "M27_NATS_CONNECT_TIMEOUT": env_timeout}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "m27.scheduler", "--nats", f"nats://127.0.0.1:{closed_port()}",
+         "--log-json"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    time.sleep(1.5)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=10)
+    assert proc.returncode == 0, out
+    assert "service.stopped_while_starting" in out
+
+
+def test_a_bad_config_value_is_one_line_naming_the_key(tmp_path: Path) -> None:
+    config = tmp_path / "m2config"
+    config.write_text("[checkpoint]\ncompression_level = 40\n")
+    env = {**os.environ, "M27_HOME": str(tmp_path), "M27_CONFIG": str(config)}
+    proc = subprocess.run([sys.executable, "-m", "m27.checkpoint_store", "--nats",
+                           "nats://127.0.0.1:1"], env=env, capture_output=True, text=True,
+                          timeout=30)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        f"m27.checkpoint-store: {config}: [checkpoint] compression_level = '40': "
+        "expected `int` <= 22"]
