@@ -95,6 +95,10 @@ class Scheduler:
         if beat.node_id in self.lost:
             self.wake.set()
 
+    async def on_node_event(self, msg: Msg) -> None:
+        """A node registered or stopped: look again now rather than at the next refresh."""
+        await self.refresh_nodes()
+
     async def on_command(self, msg: Msg) -> None:
         command = bus_module.decode_or_poison(msg.data, events.decode_scheduler_command)
         async with self.lock:
@@ -255,8 +259,12 @@ async def serve(rt: ServiceRuntime) -> None:
     bus = await rt.connect()
     scheduler = Scheduler(bus, rt.config.scheduler.node_timeout, rt.config.scheduler.tick)
     await rt.serve_grpc()
-    await scheduler.load()
+    # Listen before loading: a node that registers in between is then seen by one or the
+    # other, never by neither (which would leave it unused until the next refresh).
     heartbeats = await bus.nc.subscribe(subjects.HEARTBEAT_ALL, cb=scheduler.on_heartbeat)
+    node_events = await bus.nc.subscribe(subjects.NODE_EVENTS_ALL, cb=scheduler.on_node_event)
+    await bus.nc.flush()
+    await scheduler.load()
     rt.spawn(bus_module.consume(
         bus.js, stream=subjects.COMMANDS_STREAM, durable=subjects.SCHEDULER_COMMAND_CONSUMER,
         filter_subject=subjects.SCHEDULER_COMMANDS, handle=scheduler.on_command,
@@ -269,3 +277,4 @@ async def serve(rt: ServiceRuntime) -> None:
     await rt.ready()
     await rt.stop.wait()
     await heartbeats.unsubscribe()
+    await node_events.unsubscribe()

@@ -1,0 +1,76 @@
+"""The progress view of `m27 watch`: events folded into the run, lines rendered from it."""
+
+from __future__ import annotations
+
+import io
+
+from m27.cli._watch import _Screen, apply_event, exit_code_for, render_event_line, render_table
+from m27.client import RunEvent
+from m27.common.model import RunRecord, StepRecord
+
+RUN = "r-20261201-000000-abcdef"
+
+
+def a_run() -> RunRecord:
+    return RunRecord(run_id=RUN, name="study", user="ada", urgency="normal", state="queued",
+                     created_at=100.0, steps=(StepRecord(name="prep", type="cpu", command="x"),
+                                              StepRecord(name="train", type="gpu", command="y",
+                                                         depends_on=("prep",))))
+
+
+def step_event(step: str, previous: str, state: str, at: float, **extra: object) -> RunEvent:
+    return RunEvent(type="step_state_changed", at=at, run_id=RUN, step=step,
+                    previous=previous, state=state, **extra)  # type: ignore[arg-type]
+
+
+def test_events_move_steps_and_the_run_forward() -> None:
+    run = a_run()
+    run = apply_event(run, step_event("prep", "queued", "running", 101.0, node_id="node-1",
+                                      attempt=1))
+    run = apply_event(run, RunEvent(type="run_state_changed", at=101.0, run_id=RUN,
+                                    state="running", previous="queued"))
+    run = apply_event(run, step_event("prep", "running", "failed", 103.5, exit_code=2))
+    prep = run.step("prep")
+    assert prep is not None
+    assert (prep.state, prep.node_id, prep.started_at, prep.ended_at, prep.exit_code) == \
+        ("failed", "node-1", 101.0, 103.5, 2)
+    assert run.state == "running"
+    assert run.started_at == 101.0
+
+
+def test_the_table_shows_each_step_with_its_state_time_and_exit_code() -> None:
+    run = apply_event(a_run(), step_event("prep", "queued", "running", 101.0,
+                                          node_id="node-1"))
+    run = apply_event(run, step_event("prep", "running", "failed", 104.0, exit_code=2))
+    lines = render_table(run, now=110.0)
+    assert lines[0].startswith(f"run {RUN}  study  queued  0/2 steps done")
+    assert lines[1] == "  ✘ prep   failed        3.0s  node-1  exit 2"
+    assert lines[2] == "  · train  pending"
+
+
+def test_event_lines_for_logs() -> None:
+    line = render_event_line(step_event("train", "queued", "running", 0.0, node_id="n2"))
+    assert line is not None
+    assert line.endswith("step train: queued → running on n2")
+    failed = render_event_line(step_event("train", "running", "failed", 0.0, exit_code=3,
+                                          reason="exit code 3"))
+    assert failed is not None
+    assert failed.endswith("running → failed (exit 3): exit code 3")
+    assert render_event_line(RunEvent(type="report_ready", at=0.0, run_id=RUN)) is None
+
+
+def test_the_screen_redraws_in_place() -> None:
+    out = io.StringIO()
+    screen = _Screen(out)
+    screen.draw(["a", "b"])
+    screen.draw(["c", "d"])
+    assert out.getvalue() == "\x1b[2Ka\n\x1b[2Kb\n\x1b[2F\x1b[2Kc\n\x1b[2Kd\n"
+
+
+def test_exit_codes() -> None:
+    from msgspec.structs import replace
+
+    assert exit_code_for(replace(a_run(), state="succeeded")) == 0
+    assert exit_code_for(replace(a_run(), state="failed")) == 1
+    assert exit_code_for(replace(a_run(), state="cancelled")) == 3
+    assert exit_code_for(a_run()) == 4

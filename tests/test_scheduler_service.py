@@ -1,0 +1,79 @@
+"""The scheduler service with real node-agents: it notices nodes at once, and frees capacity."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from pathlib import Path
+
+import pytest
+
+from m27.client import Client
+from m27.embedded.processes import wait_ready
+from tests.support import Cluster
+
+pytestmark = pytest.mark.integration
+
+
+async def test_a_node_that_registers_after_the_scheduler_gets_work_at_once(
+        tmp_path: Path) -> None:
+    cluster = Cluster(tmp_path, nodes=0)
+    cluster.start()
+    try:
+        async with Client(cluster.api) as client:
+            run_id = await client.submit("pipeline:\n  - {name: a, type: gpu, command: 'true'}\n")
+            await asyncio.sleep(1.0)
+            assert (await client.get_run(run_id)).state == "queued"
+            agent = cluster.launch("node-agent-1", "m27.node_agent",
+                                   ["--node-id", "late", "--gpus", "sim:1",
+                                    "--heartbeat-interval", "60s"])
+            wait_ready([agent])
+            began = time.monotonic()
+            while (await client.get_run(run_id)).state != "succeeded":
+                assert time.monotonic() - began < 4.0, "waited for a heartbeat to schedule"
+                await asyncio.sleep(0.05)
+            assert (await client.get_run(run_id)).steps[0].node_id == "late"
+    finally:
+        cluster.stop()
+
+
+async def test_a_scheduler_started_after_the_nodes_uses_them_at_once(tmp_path: Path) -> None:
+    cluster = Cluster(tmp_path, nodes=0)
+    cluster.nats.start()
+    try:
+        started = [cluster.launch("orchestrator", "m27.orchestrator"),
+                   cluster.launch("node-agent-1", "m27.node_agent",
+                                  ["--node-id", "early", "--gpus", "sim:1",
+                                   "--heartbeat-interval", "60s"])]
+        wait_ready(started)
+        await asyncio.sleep(0.5)  # its first (and, for a minute, only) heartbeat is gone
+        wait_ready([cluster.launch("scheduler", "m27.scheduler")])
+        async with Client(cluster.api) as client:
+            run_id = await client.submit("pipeline:\n  - {name: a, type: gpu, command: 'true'}\n")
+            began = time.monotonic()
+            while (await client.get_run(run_id)).state != "succeeded":
+                assert time.monotonic() - began < 3.0, "the registered node was not used"
+                await asyncio.sleep(0.05)
+    finally:
+        cluster.stop()
+
+
+async def test_gpu_steps_wait_for_a_free_gpu_and_then_run(tmp_path: Path) -> None:
+    cluster = Cluster(tmp_path, gpus="sim:1")
+    cluster.start()
+    try:
+        text = ("pipeline:\n" + "".join(
+            f"  - {{name: g{i}, type: gpu, command: 'sleep 0.3'}}\n" for i in range(3)))
+        async with Client(cluster.api) as client:
+            run_id = await client.submit(text)
+            deadline = time.monotonic() + 30
+            while (run := await client.get_run(run_id)).state != "succeeded":
+                assert time.monotonic() < deadline, run
+                running = [s for s in run.steps if s.state == "running"]
+                assert len(running) <= 1, "two whole-GPU steps shared one GPU"
+                await asyncio.sleep(0.02)
+            spans = sorted((s.started_at or 0, s.ended_at or 0) for s in run.steps)
+            assert all(a[1] <= b[0] for a, b in itertools.pairwise(spans))
+    finally:
+        cluster.stop()
