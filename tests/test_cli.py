@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from m27.embedded.nats_server import pid_alive
+
 pytestmark = pytest.mark.integration
 
 
@@ -39,16 +41,6 @@ def m27(tmp_path: Path) -> Iterator[M27]:
     yield cli
     cli("down", timeout=60)
 
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def test_commands_say_clearly_when_nothing_runs(m27: M27) -> None:
@@ -85,7 +77,7 @@ def test_the_whole_lifecycle_on_one_machine(m27: M27) -> None:
     assert names == ["nats-server", "orchestrator", "scheduler", "checkpoint-store", "report",
                      "node-agent-1", "node-agent-2"]
     pids = [p["pid"] for p in status["processes"]]
-    assert all(alive(pid) for pid in pids)
+    assert all(pid_alive(pid) for pid in pids)
 
     good = m27.cwd / "good.yaml"
     good.write_text("pipeline:\n  - name: hello\n    type: gpu_light\n"
@@ -116,9 +108,9 @@ def test_the_whole_lifecycle_on_one_machine(m27: M27) -> None:
     down = m27("down")
     assert down.returncode == 0
     deadline = time.monotonic() + 20
-    while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
+    while any(pid_alive(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not any(alive(pid) for pid in pids)
+    assert not any(pid_alive(pid) for pid in pids)
     assert m27("status").returncode == 1
 
 

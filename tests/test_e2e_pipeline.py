@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -16,6 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from m27.common import subjects
+from m27.embedded.nats_server import pid_alive
 from m27.v1 import pipeline_pb2 as pb
 from m27.v1 import pipeline_pb2_grpc as pb_grpc
 from tests.support import Cluster
@@ -159,24 +159,14 @@ async def test_cancel_kills_the_whole_process_group_of_a_running_step(
                    .exists())
     await asyncio.sleep(0.2)
     pids = [int((tmp_path / f).read_text()) for f in ("child.pid", "shell.pid")]
-    assert all(_alive(pid) for pid in pids)
+    assert all(pid_alive(pid) for pid in pids)
     cancelled = await stub.CancelRun(pb.CancelRunRequest(run_id=reply.run_id, reason="test"))
     assert cancelled.state == pb.RUN_STATE_RUNNING
     run = await wait_final(stub, reply.run_id)
     assert run.state == pb.RUN_STATE_CANCELLED
     assert [s.state for s in run.steps] == [pb.STEP_STATE_CANCELLED, pb.STEP_STATE_CANCELLED]
-    await wait_for(lambda: not any(_alive(pid) for pid in pids), timeout=15)
+    await wait_for(lambda: not any(pid_alive(pid) for pid in pids), timeout=15)
 
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 async def test_watch_streams_snapshot_then_events_and_ends_after_the_final_one(

@@ -12,8 +12,8 @@ from collections.abc import AsyncIterator
 from typing import Final
 
 import grpc
-import nats.errors
 from nats.aio.msg import Msg
+from nats.js import JetStreamContext
 from nats.js.api import DeliverPolicy
 
 from m27.common import bus as bus_module
@@ -141,12 +141,12 @@ class PipelineServicer(pb_grpc.PipelineServiceServicer):
         return stored
 
 
-async def _events(sub: object) -> AsyncIterator[events.Event]:
+async def _events(sub: JetStreamContext.PushSubscription) -> AsyncIterator[events.Event]:
     """Decoded events of a JetStream subscription; undecodable ones are logged and skipped."""
     while True:
         try:
-            msg = await sub.next_msg(timeout=5.0)  # type: ignore[attr-defined]
-        except nats.errors.TimeoutError:
+            msg = await sub.next_msg(timeout=5.0)
+        except TimeoutError:
             continue
         try:
             yield events.decode_event(msg.data)
