@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Final, Protocol, cast
+from typing import Final, Protocol
 
 import msgspec
 import nats.errors
-from nats.js.kv import KeyValue
+import nats.js.errors
 
 from m27.checkpoint_store._errors import CheckpointCorrupt, StorageUnavailable
 from m27.checkpoint_store._ids import CheckpointRef, ref_from_key, task_prefix
@@ -24,16 +24,7 @@ from m27.common.logging import get_logger
 
 log = get_logger()
 
-LIST_TIMEOUT_S: Final = 10.0
 _DECODE_ERRORS: Final = (msgspec.DecodeError, msgspec.ValidationError)
-
-
-class _Watcher(Protocol):
-    """The typed part of nats-py's KeyWatcher that listing uses (nats-py leaves it untyped)."""
-
-    async def updates(self, timeout: float = ...) -> KeyValue.Entry | None: ...
-
-    async def stop(self) -> None: ...
 
 
 class RecordIndex(Protocol):
@@ -81,32 +72,23 @@ class KvRecordIndex:
         return None if found is None else check_record(found[0], ref)
 
     async def list(self, run_id: str, step: str) -> list[CheckpointRecord]:
+        """One task's records; the server filters the keys, so other tasks cost nothing."""
+        records: list[CheckpointRecord] = []
         with nats_errors("list checkpoint records"):
-            kv = await self._bus.kv(self._bucket)
-            return await _watch_records(kv, f"{task_prefix(run_id, step)}*")
+            for key in await self._bus.kv_keys(self._bucket, f"{task_prefix(run_id, step)}*"):
+                kv = await self._bus.kv(self._bucket)
+                try:
+                    entry = await kv.get(key)
+                except nats.js.errors.KeyNotFoundError:
+                    continue  # deleted since it was listed
+                record = _decode_entry(key, entry.value)
+                if record is not None:
+                    records.append(record)
+        return records
 
     async def delete(self, ref: CheckpointRef) -> None:
         with nats_errors("delete a checkpoint record"):
             await self._bus.kv_delete(self._bucket, ref.key)
-
-
-async def _watch_records(kv: KeyValue, pattern: str) -> list[CheckpointRecord]:
-    """The current records under `pattern`, read in one pass by a server-side filter.
-
-    A watch (rather than `Bus.kv_keys`) lists one task without walking every key of every
-    task in the bucket. The watcher signals the end of the current values with None.
-    """
-    watcher = cast(_Watcher, await kv.watch(pattern, ignore_deletes=True))
-    records: list[CheckpointRecord] = []
-    try:
-        while (entry := await watcher.updates(timeout=LIST_TIMEOUT_S)) is not None:
-            record = _decode_entry(entry.key, entry.value)
-            if record is not None:
-                records.append(record)
-    finally:
-        with contextlib.suppress(Exception):
-            await watcher.stop()
-    return records
 
 
 def _decode_entry(key: str, value: bytes | None) -> CheckpointRecord | None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 from collections.abc import Awaitable, Callable
 from typing import Final, TypeVar
 
@@ -183,12 +184,26 @@ class Bus:
             return None
         return msgspec.json.decode(entry.value, type=type_), entry.revision
 
-    async def kv_keys(self, bucket: str) -> list[str]:
-        kv = await self.kv(bucket)
-        try:
-            return list(await kv.keys())
-        except nats.js.errors.NoKeysError:
-            return []
+    async def kv_keys(self, bucket: str, pattern: str = ">") -> list[str]:
+        """Keys of `bucket` matching `pattern` (NATS wildcards, e.g. `r-1.train.*`), sorted.
+
+        Listed by the server from the bucket stream's subjects, not with nats-py's
+        `keys()`: that uses a watcher, which can report "no keys" before its first message
+        arrives. A deleted key may still appear (its tombstone): `kv_get` gives None for it.
+        """
+        prefix = f"$KV.{bucket}."
+        keys: list[str] = []
+        while True:
+            request = {"subjects_filter": prefix + pattern, "offset": len(keys)}
+            reply = await self.nc.request(f"$JS.API.STREAM.INFO.KV_{bucket}",
+                                          json.dumps(request).encode(), timeout=JS_TIMEOUT_S)
+            data = json.loads(reply.data)
+            if "error" in data:
+                raise BusError(f"cannot list keys of {bucket}: {data['error']}")
+            found = (data.get("state") or {}).get("subjects") or {}
+            keys.extend(subject[len(prefix):] for subject in found)
+            if not found or len(keys) >= int(data.get("total", 0)):
+                return sorted(keys)
 
     async def kv_put(self, bucket: str, key: str, value: msgspec.Struct) -> int:
         kv = await self.kv(bucket)

@@ -1,0 +1,84 @@
+"""The shared JetStream plumbing against a real nats-server."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from nats.aio.msg import Msg
+
+from m27.common import events, subjects
+from m27.common.bus import Bus, PoisonMessage, consume
+from m27.common.model import ServiceInfo
+
+pytestmark = pytest.mark.integration
+
+
+def info(name: str) -> ServiceInfo:
+    return ServiceInfo(name=name, instance="i", grpc_address="127.0.0.1:1", pid=1, host="h",
+                       started_at=1.0)
+
+
+async def test_topology_is_idempotent_and_keys_are_listed_by_pattern(nats_url: str) -> None:
+    first, second = await asyncio.gather(Bus.open(nats_url, name="a"),
+                                         Bus.open(nats_url, name="b"))
+    try:
+        assert await first.kv_keys(subjects.SERVICES_BUCKET) == []
+        for key in ("r1.a.x", "r1.a.y", "r1.b.x", "r2.a.x"):
+            await first.kv_put(subjects.SERVICES_BUCKET, key, info(key))
+        assert await second.kv_keys(subjects.SERVICES_BUCKET, "r1.a.*") == ["r1.a.x", "r1.a.y"]
+        assert await second.kv_keys(subjects.SERVICES_BUCKET, "*.a.x") == ["r1.a.x", "r2.a.x"]
+        await first.kv_delete(subjects.SERVICES_BUCKET, "r1.a.x")
+        assert await second.kv_get(subjects.SERVICES_BUCKET, "r1.a.x", ServiceInfo) is None
+        got = await second.kv_get(subjects.SERVICES_BUCKET, "r1.a.y", ServiceInfo)
+        assert got is not None
+        assert got[0] == info("r1.a.y")
+    finally:
+        await first.close()
+        await second.close()
+
+
+async def test_consume_acks_after_success_retries_failures_and_drops_poison(
+        nats_url: str) -> None:
+    bus = await Bus.open(nats_url, name="test")
+    seen: list[str] = []
+    failed_once: set[str] = set()
+    stop = asyncio.Event()
+
+    async def handle(msg: Msg) -> None:
+        if msg.data == b"not json":
+            raise PoisonMessage("undecodable")
+        event = events.decode_event(msg.data)
+        assert isinstance(event, events.NodeStopped)
+        if event.node_id == "flaky" and "flaky" not in failed_once:
+            failed_once.add("flaky")
+            raise RuntimeError("transient")
+        seen.append(event.node_id)
+        if len(seen) == 2:
+            stop.set()
+
+    await bus.publish(subjects.node_events("flaky"), events.NodeStopped(at=1, node_id="flaky"))
+    await bus.js.publish(subjects.node_events("junk"), b"not json")
+    await bus.publish(subjects.node_events("fine"), events.NodeStopped(at=2, node_id="fine"))
+    await asyncio.wait_for(consume(bus.js, stream=subjects.EVENTS_STREAM, durable="t",
+                                   filter_subject=subjects.NODE_EVENTS_ALL, handle=handle,
+                                   stop=stop), timeout=20)
+    assert sorted(seen) == ["fine", "flaky"]
+    for _ in range(50):  # acks are fire-and-forget: give the last one a moment to land
+        consumer = await bus.js.consumer_info(subjects.EVENTS_STREAM, "t")
+        if consumer.num_ack_pending == 0:
+            break
+        await asyncio.sleep(0.05)
+    assert consumer.num_ack_pending == 0
+    assert consumer.num_pending == 0
+    await bus.close()
+
+
+async def test_a_message_id_is_stored_once(nats_url: str) -> None:
+    bus = await Bus.open(nats_url, name="test")
+    event = events.NodeStopped(at=1, node_id="n")
+    for _ in range(3):
+        await bus.publish(subjects.node_events("n"), event, msg_id="same")
+    stream = await bus.js.stream_info(subjects.EVENTS_STREAM)
+    assert stream.state.messages == 1
+    await bus.close()
