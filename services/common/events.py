@@ -13,6 +13,7 @@ from typing import Final
 import msgspec
 
 from m27.common.model import (
+    ExitCause,
     GpuBackend,
     GpuInfo,
     GpuSample,
@@ -97,9 +98,13 @@ class TaskStarted(_Message, frozen=True, tag="task_started"):
 class TaskExited(_Message, frozen=True, tag="task_exited"):
     """The task's process group is gone. `exit_code` follows the shell: 128+N for signal N.
 
-    `started` is False when the process could not be started at all (bad workdir, ...).
-    `lost` is True when the scheduler gave up on the task because its node stopped sending
-    heartbeats; the task's real fate on that node is unknown.
+    `cause` says why it ended, which decides how it may be retried: `exit` (the program
+    ended by itself), `not_started` (it could not be started: bad workdir, ...), `timeout`
+    (it ran past its `timeout:`), `stopped` (a StopTask: cancelled), `superseded` (a newer
+    attempt replaced it) — and the infrastructure causes `node_stopped` (its agent shut
+    down), `agent_restarted` (a crashed agent's successor reaped it), `lost` (the scheduler
+    stopped hearing its node; its real fate there is unknown), `preempted`.
+    `missing_outputs` lists declared outputs that did not exist after a zero exit.
     """
 
     task_id: str
@@ -116,7 +121,8 @@ class TaskExited(_Message, frozen=True, tag="task_exited"):
     stdout_path: str = ""
     stderr_path: str = ""
     reason: str = ""
-    lost: bool = False
+    cause: ExitCause = "exit"
+    missing_outputs: tuple[str, ...] = ()
 
 
 # ---------------------------------------------------------------- events: nodes
@@ -187,6 +193,10 @@ class EnqueueTask(_Message, frozen=True, tag="enqueue_task"):
     workdir: str = ""
     env: dict[str, str] = msgspec.field(default_factory=dict)
     checkpoint_interval_s: float | None = None
+    timeout_s: float | None = None
+    outputs: tuple[str, ...] = ()
+    preemptible: bool = False
+    not_before: float = 0.0  # a retry's backoff: not to be started before this time
 
 
 class CancelTask(_Message, frozen=True, tag="cancel_task"):
@@ -212,6 +222,8 @@ class StartTask(_Message, frozen=True, tag="start_task"):
     gpu_share: float = 0.0
     gpu_memory_mb: int = 0
     checkpoint_interval_s: float | None = None
+    timeout_s: float | None = None  # the agent stops the task after this long
+    outputs: tuple[str, ...] = ()  # declared outputs, checked after a zero exit
 
 
 class StopTask(_Message, frozen=True, tag="stop_task"):

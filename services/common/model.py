@@ -12,11 +12,19 @@ import msgspec
 
 StepType = Literal["cpu", "gpu", "gpu_light"]
 StepState = Literal[
-    "pending", "queued", "running", "succeeded", "failed", "cancelled", "skipped"
+    "pending", "queued", "running", "retrying", "succeeded", "failed", "cancelled", "skipped"
 ]
 RunState = Literal["queued", "running", "succeeded", "failed", "cancelled"]
 Urgency = Literal["low", "normal", "high", "urgent"]
 GpuBackend = Literal["nvml", "simulated", "none"]
+ExitCause = Literal[
+    "exit", "not_started", "timeout", "stopped", "superseded",
+    "node_stopped", "agent_restarted", "lost", "preempted",
+]
+#: Ends that are the infrastructure's fault, not the program's: retried separately.
+INFRASTRUCTURE_CAUSES: Final[frozenset[str]] = frozenset(
+    {"node_stopped", "agent_restarted", "lost", "preempted"}
+)
 
 STEP_TYPES: Final[tuple[StepType, ...]] = ("cpu", "gpu", "gpu_light")
 URGENCIES: Final[tuple[Urgency, ...]] = ("low", "normal", "high", "urgent")
@@ -39,11 +47,35 @@ class Resources(msgspec.Struct, frozen=True, kw_only=True):
     gpus: float = 0.0
     cpus: int = 1
     gpu_memory_mb: int = 0  # 0: the share's proportion of the GPU's memory
+    memory_mb: int = 0  # 0: no limit asked for
 
     @property
     def gpu_tenths(self) -> int:
         """The GPU request in tenths of one GPU (a whole GPU is 10)."""
         return round(self.gpus * TENTHS_PER_GPU)
+
+
+class RetryPolicy(msgspec.Struct, frozen=True, kw_only=True):
+    """How often a step is tried again, kept apart by cause (users ask for exactly this
+    split: a node dying is not the program's fault). Delay: initial × factor^(n-1), capped."""
+
+    failure: int = 0  # program failures: non-zero exit, timeout, could not start
+    infrastructure: int = 3  # node lost or stopped, preempted
+    initial_delay_s: float = 10.0
+    factor: float = 2.0
+    max_delay_s: float = 600.0
+
+
+class AttemptRecord(msgspec.Struct, frozen=True, kw_only=True):
+    """One finished attempt of a step, kept in its history."""
+
+    attempt: int
+    node_id: str | None
+    started_at: float | None
+    ended_at: float
+    exit_code: int | None
+    cause: ExitCause
+    reason: str
 
 
 class StepRecord(msgspec.Struct, frozen=True, kw_only=True):
@@ -53,11 +85,22 @@ class StepRecord(msgspec.Struct, frozen=True, kw_only=True):
     type: StepType
     command: str
     depends_on: tuple[str, ...] = ()
-    output: str | None = None
+    outputs: tuple[str, ...] = ()
+    inputs: tuple[str, ...] = ()
     checkpoint_interval_s: float | None = None
     resources: Resources = Resources()
+    urgency: Urgency = "normal"
+    preemptible: bool = False
+    retry: RetryPolicy = RetryPolicy()
+    timeout_s: float | None = None
+    env: dict[str, str] = msgspec.field(default_factory=dict)
+    workdir: str = ""  # empty: the run's working directory
+    group: str = ""  # the matrix step this one was expanded from
+    matrix: dict[str, str] = msgspec.field(default_factory=dict)
     state: StepState = "pending"
     attempt: int = 0
+    failures: int = 0
+    infra_failures: int = 0
     node_id: str | None = None
     gpu_ids: tuple[int, ...] = ()
     gpu_share: float = 0.0
@@ -71,6 +114,15 @@ class StepRecord(msgspec.Struct, frozen=True, kw_only=True):
     started_at: float | None = None
     ended_at: float | None = None
     reason: str = ""
+    history: tuple[AttemptRecord, ...] = ()
+    cache_key: str = ""
+    cache_pending: bool = False  # released, waiting for the cache lookup
+    cached_from: str = ""  # `<run_id>/<step>` whose results this step reused
+    cancel_requested: bool = False  # `m27 cancel RUN --step NAME`
+
+    @property
+    def output(self) -> str | None:
+        return self.outputs[0] if self.outputs else None
 
 
 class RunRecord(msgspec.Struct, frozen=True, kw_only=True):
@@ -90,6 +142,9 @@ class RunRecord(msgspec.Struct, frozen=True, kw_only=True):
     cancel_requested: bool = False
     report_path: str = ""
     reason: str = ""
+    max_parallel: dict[str, int] = msgspec.field(default_factory=dict)  # matrix group → cap
+    use_cache: bool = True
+    source_name: str = ""
 
     def step(self, name: str) -> StepRecord | None:
         return next((s for s in self.steps if s.name == name), None)

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Final
+from typing import Final, get_args
 
 from m27.common import events
 from m27.common.model import (
     TERMINAL_RUN_STATES,
+    AttemptRecord,
+    ExitCause,
+    Resources,
     RunRecord,
     RunState,
     StepRecord,
@@ -29,7 +32,8 @@ _RUN_STATE_TO_PB: Final[dict[RunState, pb.RunState.ValueType]] = {
 _RUN_STATE_FROM_PB: Final = {v: k for k, v in _RUN_STATE_TO_PB.items()}
 _STEP_STATE_TO_PB: Final[dict[StepState, pb.StepState.ValueType]] = {
     "pending": pb.STEP_STATE_PENDING, "queued": pb.STEP_STATE_QUEUED,
-    "running": pb.STEP_STATE_RUNNING, "succeeded": pb.STEP_STATE_SUCCEEDED,
+    "running": pb.STEP_STATE_RUNNING, "retrying": pb.STEP_STATE_RETRYING,
+    "succeeded": pb.STEP_STATE_SUCCEEDED,
     "failed": pb.STEP_STATE_FAILED, "cancelled": pb.STEP_STATE_CANCELLED,
     "skipped": pb.STEP_STATE_SKIPPED,
 }
@@ -61,6 +65,29 @@ def _opt_time(value: float) -> float | None:
     return value or None
 
 
+def _resources_to_proto(resources: Resources) -> pb.Resources:
+    return pb.Resources(gpus=resources.gpus, cpus=resources.cpus,
+                        gpu_memory_mb=resources.gpu_memory_mb, memory_mb=resources.memory_mb)
+
+
+def _attempt_to_proto(attempt: AttemptRecord) -> pb.Attempt:
+    message = pb.Attempt(attempt=attempt.attempt, node_id=attempt.node_id or "",
+                         started_at=_time(attempt.started_at), ended_at=attempt.ended_at,
+                         cause=attempt.cause, reason=attempt.reason)
+    if attempt.exit_code is not None:
+        message.exit_code = attempt.exit_code
+    return message
+
+
+def _attempt_from_proto(message: pb.Attempt) -> AttemptRecord:
+    cause: ExitCause = next((c for c in get_args(ExitCause) if c == message.cause), "exit")
+    return AttemptRecord(
+        attempt=message.attempt, node_id=message.node_id or None,
+        started_at=_opt_time(message.started_at), ended_at=message.ended_at,
+        exit_code=message.exit_code if message.HasField("exit_code") else None,
+        cause=cause, reason=message.reason)
+
+
 def step_to_proto(step: StepRecord) -> pb.Step:
     message = pb.Step(
         name=step.name, type=_STEP_TYPE_TO_PB[step.type], state=_STEP_STATE_TO_PB[step.state],
@@ -70,6 +97,12 @@ def step_to_proto(step: StepRecord) -> pb.Step:
         stdout_tail=step.stdout_tail, queued_at=_time(step.queued_at),
         started_at=_time(step.started_at), ended_at=_time(step.ended_at), reason=step.reason,
         output=step.output or "", stdout_path=step.stdout_path, stderr_path=step.stderr_path,
+        outputs=list(step.outputs), inputs=list(step.inputs), group=step.group,
+        matrix=dict(step.matrix), failures=step.failures, infra_failures=step.infra_failures,
+        history=[_attempt_to_proto(a) for a in step.history], cached_from=step.cached_from,
+        urgency=_URGENCY_TO_PB[step.urgency], preemptible=step.preemptible,
+        timeout_s=step.timeout_s or 0.0, workdir=step.workdir,
+        resources=_resources_to_proto(step.resources),
     )
     if step.exit_code is not None:
         message.exit_code = step.exit_code
@@ -77,6 +110,7 @@ def step_to_proto(step: StepRecord) -> pb.Step:
 
 
 def step_from_proto(message: pb.Step) -> StepRecord:
+    r = message.resources
     return StepRecord(
         name=message.name, type=_STEP_TYPE_FROM_PB.get(message.type, "cpu"),
         state=_STEP_STATE_FROM_PB.get(message.state, "pending"),
@@ -88,8 +122,16 @@ def step_from_proto(message: pb.Step) -> StepRecord:
         stderr_tail=message.stderr_tail, stdout_tail=message.stdout_tail,
         queued_at=_opt_time(message.queued_at), started_at=_opt_time(message.started_at),
         ended_at=_opt_time(message.ended_at), reason=message.reason,
-        output=message.output or None, stdout_path=message.stdout_path,
-        stderr_path=message.stderr_path,
+        outputs=tuple(message.outputs) or ((message.output,) if message.output else ()),
+        inputs=tuple(message.inputs), group=message.group, matrix=dict(message.matrix),
+        failures=message.failures, infra_failures=message.infra_failures,
+        history=tuple(_attempt_from_proto(a) for a in message.history),
+        cached_from=message.cached_from, urgency=urgency_from_proto(message.urgency),
+        preemptible=message.preemptible, timeout_s=message.timeout_s or None,
+        workdir=message.workdir,
+        resources=Resources(gpus=r.gpus, cpus=r.cpus or 1, gpu_memory_mb=r.gpu_memory_mb,
+                            memory_mb=r.memory_mb),
+        stdout_path=message.stdout_path, stderr_path=message.stderr_path,
     )
 
 
@@ -100,6 +142,7 @@ def run_to_proto(run: RunRecord) -> pb.Run:
         created_at=run.created_at, started_at=_time(run.started_at),
         ended_at=_time(run.ended_at), steps=[step_to_proto(s) for s in run.steps],
         report_path=run.report_path, reason=run.reason, workdir=run.workdir,
+        use_cache=run.use_cache, source_name=run.source_name,
     )
 
 
@@ -112,6 +155,7 @@ def run_from_proto(message: pb.Run) -> RunRecord:
         ended_at=_opt_time(message.ended_at),
         steps=tuple(step_from_proto(s) for s in message.steps),
         report_path=message.report_path, reason=message.reason, workdir=message.workdir,
+        use_cache=message.use_cache, source_name=message.source_name,
     )
 
 
@@ -124,9 +168,9 @@ def summary_to_proto(run: RunRecord) -> pb.RunSummary:
     )
 
 
-def event_to_proto(event: events.Event) -> pb.RunEvent:
+def event_to_proto(event: events.Event, sequence: int = 0) -> pb.RunEvent:
     """The run-level events a watcher sees; other events keep only their tag and time."""
-    message = pb.RunEvent(type=events.tag_of(event), at=event.at)
+    message = pb.RunEvent(type=events.tag_of(event), at=event.at, sequence=sequence)
     match event:
         case events.RunSubmitted(run_id=run_id):
             message.run_id = run_id

@@ -119,6 +119,7 @@ NODES_BUCKET: Final = "m27_nodes"
 TASKS_BUCKET: Final = "m27_tasks"
 SERVICES_BUCKET: Final = "m27_services"
 CHECKPOINTS_BUCKET: Final = "m27_checkpoints"
+CACHE_BUCKET: Final = "m27_cache"
 
 
 class BucketSpec(msgspec.Struct, frozen=True, kw_only=True):
@@ -142,6 +143,10 @@ BUCKETS: Final[tuple[BucketSpec, ...]] = (
         description="Scheduler: queued and placed tasks (key: run_id.step).",
     ),
     BucketSpec(name=SERVICES_BUCKET, description="service.instance → gRPC address, pid, host."),
+    BucketSpec(
+        name=CACHE_BUCKET,
+        description="Orchestrator: step cache key → the earlier step and its output digests.",
+    ),
     BucketSpec(
         name=CHECKPOINTS_BUCKET,
         description="Checkpoint-store: run_id.step.checkpoint_id → checkpoint record.",

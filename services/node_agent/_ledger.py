@@ -106,5 +106,5 @@ def orphan_exit(entry: LedgerTask, node_id: str, killed: int, now: float, *,
         attempt=entry.attempt, node_id=node_id, exit_code=exit_code, signal=signal,
         started=True, started_at=entry.started_at, stdout_path=entry.stdout_path,
         stderr_path=entry.stderr_path, stdout_tail=stdout_tail, stderr_tail=stderr_tail,
-        reason=reason,
+        reason=reason, cause="agent_restarted",
     )

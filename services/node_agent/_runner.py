@@ -25,7 +25,7 @@ from m27.common import subjects
 from m27.common.bus import Bus, PoisonMessage
 from m27.common.events import StartTask, StopTask, TaskExited, TaskStarted
 from m27.common.logging import bound_contextvars, get_logger
-from m27.common.model import ServiceInfo
+from m27.common.model import ExitCause, ServiceInfo
 from m27.node_agent import _ledger
 from m27.node_agent._gpus import Holding
 from m27.node_agent._process import (
@@ -44,6 +44,7 @@ from m27.node_agent._tasks import (
     exit_reason,
     exit_status,
     invalid_ids,
+    missing_outputs,
     placement_problem,
     stop_note,
     task_env,
@@ -75,6 +76,7 @@ class RunningTask:
     started_at: float
     started_published: bool = False
     stop_note: str | None = None
+    stop_cause: ExitCause | None = None
     killed_after_s: float | None = None
     publish_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     watcher: asyncio.Task[None] | None = None
@@ -153,7 +155,7 @@ class TaskRunner:
         for task in list(self._tasks.values()):
             if task.cmd.task_id == cmd.task_id and task.alive:
                 self._terminate(task, f"superseded by attempt {cmd.attempt}",
-                                self._stop_grace_s)
+                                self._stop_grace_s, "superseded")
 
     async def _launch(self, cmd: StartTask, paths: TaskPaths) -> RunningTask:
         problem = placement_problem(cmd, self._node.gpus)
@@ -175,6 +177,8 @@ class TaskRunner:
         _ledger.remember(self._seen, cmd.task_id, cmd.attempt)
         self._save_ledger()
         task.watcher = asyncio.create_task(self._watch(task), name=f"watch {cmd.task_id}")
+        if cmd.timeout_s:
+            task.escalations.append(asyncio.create_task(self._time_out(task, cmd.timeout_s)))
         log.info("task.started", pid=process.pid, step=cmd.step, workdir=str(paths.workdir),
                  gpu_ids=list(cmd.gpu_ids), gpu_share=cmd.gpu_share,
                  gpu_backend=self._node.backend if cmd.gpu_ids else "none",
@@ -188,7 +192,7 @@ class TaskRunner:
             attempt=cmd.attempt, node_id=self._node.node_id,
             exit_code=NOT_STARTED_EXIT_CODE, started=False,
             stdout_path=str(paths.stdout), stderr_path=str(paths.stderr),
-            reason=f"could not start: {why}",
+            reason=f"could not start: {why}", cause="not_started",
         )
         log.warning("task.not_started", reason=event.reason)
         await self._bus.publish(subjects.task_events(cmd.run_id, cmd.step), event,
@@ -251,6 +255,9 @@ class TaskRunner:
     def _exited_event(self, task: RunningTask, returncode: int) -> TaskExited:
         cmd = task.cmd
         exit_code, sig = exit_status(returncode)
+        cause: ExitCause = task.stop_cause or "exit"
+        missing = (missing_outputs(task.paths.workdir, cmd.outputs)
+                   if exit_code == 0 and cause == "exit" else ())
         return TaskExited(
             at=self._clock(), task_id=cmd.task_id, run_id=cmd.run_id, step=cmd.step,
             attempt=cmd.attempt, node_id=self._node.node_id, exit_code=exit_code,
@@ -259,6 +266,7 @@ class TaskRunner:
             stderr_tail=read_tail(task.paths.stderr, STDERR_TAIL_BYTES),
             stdout_path=str(task.paths.stdout), stderr_path=str(task.paths.stderr),
             reason=exit_reason(exit_code, sig, task.stop_note, task.killed_after_s),
+            cause=cause, missing_outputs=missing,
         )
 
     async def _publish_exit(self, task: RunningTask, event: TaskExited) -> None:
@@ -289,11 +297,12 @@ class TaskRunner:
                 log.info("task.stop_ignored", reason=cmd.reason,
                          why="finished" if task else "not running here")
                 return
-            self._terminate(task, stop_note(cmd.reason), cmd.grace_s)
+            self._terminate(task, stop_note(cmd.reason), cmd.grace_s, "stopped")
 
-    def _terminate(self, task: RunningTask, note: str, grace_s: float) -> None:
+    def _terminate(self, task: RunningTask, note: str, grace_s: float,
+                   cause: ExitCause) -> None:
         if task.stop_note is None:
-            task.stop_note = note
+            task.stop_note, task.stop_cause = note, cause
         signalled = signal_group(task.process.pid, signal.SIGTERM)
         log.info("task.stopping", task_id=task.cmd.task_id, pid=task.process.pid,
                  reason=note, grace_s=grace_s, signalled=signalled)
@@ -306,13 +315,21 @@ class TaskRunner:
             signal_group(task.process.pid, signal.SIGKILL)
             log.warning("task.killed_after_grace", task_id=task.cmd.task_id, grace_s=grace_s)
 
+    async def _time_out(self, task: RunningTask, timeout_s: float) -> None:
+        """The step's `timeout:`: stopped like a StopTask, reported with cause timeout."""
+        await asyncio.sleep(timeout_s)
+        if task.alive:
+            log.warning("task.timed_out", task_id=task.cmd.task_id, timeout_s=timeout_s)
+            self._terminate(task, f"timed out after {timeout_s:g}s", self._stop_grace_s,
+                            "timeout")
+
     async def stop_all(self, note: str, grace_s: float, report_timeout_s: float) -> int:
         """Stop every task and wait (bounded) until their exits are reported."""
         self.accepting = False
         tasks = list(self._tasks.values())
         for task in tasks:
             if task.alive:
-                self._terminate(task, note, grace_s)
+                self._terminate(task, note, grace_s, "node_stopped")
         watchers = [t.watcher for t in tasks if t.watcher is not None]
         if watchers:
             _done, pending = await asyncio.wait(watchers, timeout=grace_s + report_timeout_s)

@@ -177,3 +177,8 @@ def decode_tail(data: bytes, truncated: bool) -> str:
             skip += 1
         data = data[skip:]
     return data.decode("utf-8", "replace")
+
+
+def missing_outputs(workdir: Path, outputs: Sequence[str]) -> tuple[str, ...]:
+    """Declared outputs (files or directories, relative to the workdir) that do not exist."""
+    return tuple(o for o in outputs if not (workdir / o).exists())

@@ -11,6 +11,7 @@ STATE_COLOURS: Final[dict[str, str]] = {
     "cancelled": "#bc4c00",
     "skipped": "#8c959f",
     "running": "#0969da",
+    "retrying": "#9a6700",
     "queued": "#8250df",
     "pending": "#6e7781",
 }

@@ -24,7 +24,7 @@ from m27.report._timeline import render_timeline
 
 #: The order states are counted in the summary line: outcomes first.
 SUMMARY_ORDER: Final[tuple[StepState, ...]] = (
-    "succeeded", "failed", "cancelled", "skipped", "running", "queued", "pending",
+    "succeeded", "failed", "cancelled", "skipped", "running", "retrying", "queued", "pending",
 )
 assert set(SUMMARY_ORDER) == set(get_args(StepState)), "a step state is missing"
 #: Steps whose output is shown unfolded: the ones a reader opens the report for.

@@ -162,7 +162,8 @@ class Scheduler:
                 for n in self.nodes.values()]
         held = [e.placement for e in self.entries.values() if e.placement is not None]
         queue = [QueuedTask(task=e.task, queued_at=e.queued_at)
-                 for e in self.entries.values() if e.placement is None]
+                 for e in self.entries.values()
+                 if e.placement is None and e.task.not_before <= now]
         for decision in policy.schedule(live, held, queue):
             if isinstance(decision, Place):
                 await self._start(decision, now)
@@ -182,7 +183,8 @@ class Scheduler:
             attempt=task.attempt, step_type=task.step_type, command=task.command,
             workdir=task.workdir, env=task.env, gpu_ids=placement.gpu_ids, gpu_share=share,
             gpu_memory_mb=task.resources.gpu_memory_mb,
-            checkpoint_interval_s=task.checkpoint_interval_s)
+            checkpoint_interval_s=task.checkpoint_interval_s, timeout_s=task.timeout_s,
+            outputs=task.outputs)
         key = f"{task.task_id}:{task.attempt}"
         await self.bus.publish(subjects.node_commands(placement.node_id), start,
                                msg_id=f"{key}:start")
@@ -225,7 +227,7 @@ class Scheduler:
         await self.bus.publish(subjects.task_events(task.run_id, task.step), events.TaskExited(
             at=now, task_id=task.task_id, run_id=task.run_id, step=task.step,
             attempt=task.attempt, node_id=node_id, exit_code=None, started=entry.started,
-            lost=True, reason=f"node {node_id} lost: no heartbeat for {silent:.0f}s"),
+            cause="lost", reason=f"node {node_id} lost: no heartbeat for {silent:.0f}s"),
             msg_id=f"{task.task_id}:{task.attempt}:lost")
         await self._forget(task.task_id)
 

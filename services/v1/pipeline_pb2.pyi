@@ -8,12 +8,18 @@ Life of a run
 A run is created by SubmitPipeline from a pipeline YAML. Its steps form a DAG.
 
   step:  PENDING ──deps succeeded──▶ QUEUED ──placed & started──▶ RUNNING
-         RUNNING ──exit 0──▶ SUCCEEDED      RUNNING ──exit ≠ 0 / lost──▶ FAILED
+         QUEUED ──identical earlier step found (cache)──▶ SUCCEEDED
+         RUNNING ──exit 0 (declared outputs exist)──▶ SUCCEEDED
+         RUNNING ──failed, a retry left──▶ RETRYING ──started again──▶ RUNNING
+         RUNNING ──failed, no retry left──▶ FAILED
          any non-final ──CancelRun──▶ CANCELLED
          PENDING ──an upstream step failed or was cancelled──▶ SKIPPED
+  Program failures (exit code, timeout) and infrastructure losses (node lost or stopped,
+  preemption) are retried separately, each with its own budget and backoff.
 
   run:   QUEUED (no step started yet) ──▶ RUNNING (a step started)
          ──▶ SUCCEEDED (every step succeeded) | FAILED (a step failed) | CANCELLED
+  RetryRun puts a finished run's unsucceeded steps back to PENDING.
 
 Steps whose dependencies do not depend on a failed step keep running after a
 failure elsewhere (like `make -k`); the run ends FAILED once nothing can run.
@@ -96,6 +102,7 @@ class _StepStateEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_StepState.V
     STEP_STATE_FAILED: _StepState.ValueType  # 5
     STEP_STATE_CANCELLED: _StepState.ValueType  # 6
     STEP_STATE_SKIPPED: _StepState.ValueType  # 7
+    STEP_STATE_RETRYING: _StepState.ValueType  # 8
 
 class StepState(_StepState, metaclass=_StepStateEnumTypeWrapper): ...
 
@@ -107,6 +114,7 @@ STEP_STATE_SUCCEEDED: StepState.ValueType  # 4
 STEP_STATE_FAILED: StepState.ValueType  # 5
 STEP_STATE_CANCELLED: StepState.ValueType  # 6
 STEP_STATE_SKIPPED: StepState.ValueType  # 7
+STEP_STATE_RETRYING: StepState.ValueType  # 8
 Global___StepState: _TypeAlias = StepState  # noqa: Y015
 
 class _StepType:
@@ -162,6 +170,7 @@ class SubmitPipelineRequest(_message.Message):
     URGENCY_FIELD_NUMBER: _builtins.int
     WORKDIR_FIELD_NUMBER: _builtins.int
     SOURCE_NAME_FIELD_NUMBER: _builtins.int
+    NO_CACHE_FIELD_NUMBER: _builtins.int
     pipeline_yaml: _builtins.str
     user: _builtins.str
     urgency: Global___Urgency.ValueType
@@ -169,6 +178,8 @@ class SubmitPipelineRequest(_message.Message):
     """Directory the steps run in (must exist on the nodes). Empty: a fresh directory per run."""
     source_name: _builtins.str
     """Shown in error messages, e.g. the YAML file's name."""
+    no_cache: _builtins.bool
+    """Run every step even when an identical earlier one could be reused."""
     @_builtins.property
     def vars(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
         """Values for {{NAME}} placeholders in commands."""
@@ -182,10 +193,11 @@ class SubmitPipelineRequest(_message.Message):
         urgency: Global___Urgency.ValueType = ...,
         workdir: _builtins.str = ...,
         source_name: _builtins.str = ...,
+        no_cache: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["pipeline_yaml", b"pipeline_yaml", "source_name", b"source_name", "urgency", b"urgency", "user", b"user", "vars", b"vars", "workdir", b"workdir"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["no_cache", b"no_cache", "pipeline_yaml", b"pipeline_yaml", "source_name", b"source_name", "urgency", b"urgency", "user", b"user", "vars", b"vars", "workdir", b"workdir"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -234,16 +246,34 @@ class ListRunsRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     LIMIT_FIELD_NUMBER: _builtins.int
+    STATES_FIELD_NUMBER: _builtins.int
+    USER_FIELD_NUMBER: _builtins.int
+    SINCE_FIELD_NUMBER: _builtins.int
+    PAGE_TOKEN_FIELD_NUMBER: _builtins.int
     limit: _builtins.int
-    """0 means the server default (50)."""
+    """Page size; 0 means the server default (50)."""
+    user: _builtins.str
+    """Only runs of this user."""
+    since: _builtins.float
+    """Only runs created at or after this time (unix seconds)."""
+    page_token: _builtins.str
+    """The next_page_token of the previous page."""
+    @_builtins.property
+    def states(self) -> _containers.RepeatedScalarFieldContainer[Global___RunState.ValueType]:
+        """Only runs in one of these states (none: any state)."""
+
     def __init__(
         self,
         *,
         limit: _builtins.int = ...,
+        states: _abc.Iterable[Global___RunState.ValueType] | None = ...,
+        user: _builtins.str = ...,
+        since: _builtins.float = ...,
+        page_token: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["limit", b"limit"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["limit", b"limit", "page_token", b"page_token", "since", b"since", "states", b"states", "user", b"user"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -254,16 +284,20 @@ class ListRunsResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     RUNS_FIELD_NUMBER: _builtins.int
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    next_page_token: _builtins.str
+    """Empty on the last page."""
     @_builtins.property
     def runs(self) -> _containers.RepeatedCompositeFieldContainer[Global___RunSummary]: ...
     def __init__(
         self,
         *,
         runs: _abc.Iterable[Global___RunSummary] | None = ...,
+        next_page_token: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["runs", b"runs"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["next_page_token", b"next_page_token", "runs", b"runs"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -318,17 +352,21 @@ class CancelRunRequest(_message.Message):
 
     RUN_ID_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
+    STEP_FIELD_NUMBER: _builtins.int
     run_id: _builtins.str
     reason: _builtins.str
+    step: _builtins.str
+    """Cancel only this step (its dependents are skipped); empty: the whole run."""
     def __init__(
         self,
         *,
         run_id: _builtins.str = ...,
         reason: _builtins.str = ...,
+        step: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["reason", b"reason", "run_id", b"run_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["reason", b"reason", "run_id", b"run_id", "step", b"step"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -359,6 +397,29 @@ class WatchRunRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     RUN_ID_FIELD_NUMBER: _builtins.int
+    AFTER_SEQUENCE_FIELD_NUMBER: _builtins.int
+    run_id: _builtins.str
+    after_sequence: _builtins.int
+    """Resume after this event (RunEvent.sequence) instead of starting with a snapshot."""
+    def __init__(
+        self,
+        *,
+        run_id: _builtins.str = ...,
+        after_sequence: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["after_sequence", b"after_sequence", "run_id", b"run_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WatchRunRequest: _TypeAlias = WatchRunRequest  # noqa: Y015
+
+@_typing.final
+class RetryRunRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RUN_ID_FIELD_NUMBER: _builtins.int
     run_id: _builtins.str
     def __init__(
         self,
@@ -371,7 +432,104 @@ class WatchRunRequest(_message.Message):
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
-Global___WatchRunRequest: _TypeAlias = WatchRunRequest  # noqa: Y015
+Global___RetryRunRequest: _TypeAlias = RetryRunRequest  # noqa: Y015
+
+@_typing.final
+class RetryRunResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STATE_FIELD_NUMBER: _builtins.int
+    STEPS_FIELD_NUMBER: _builtins.int
+    state: Global___RunState.ValueType
+    @_builtins.property
+    def steps(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The steps that will run again."""
+
+    def __init__(
+        self,
+        *,
+        state: Global___RunState.ValueType = ...,
+        steps: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["state", b"state", "steps", b"steps"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RetryRunResponse: _TypeAlias = RetryRunResponse  # noqa: Y015
+
+@_typing.final
+class PlanPipelineRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class VarsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    PIPELINE_YAML_FIELD_NUMBER: _builtins.int
+    VARS_FIELD_NUMBER: _builtins.int
+    SOURCE_NAME_FIELD_NUMBER: _builtins.int
+    WORKDIR_FIELD_NUMBER: _builtins.int
+    NO_CACHE_FIELD_NUMBER: _builtins.int
+    pipeline_yaml: _builtins.str
+    source_name: _builtins.str
+    workdir: _builtins.str
+    no_cache: _builtins.bool
+    @_builtins.property
+    def vars(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]: ...
+    def __init__(
+        self,
+        *,
+        pipeline_yaml: _builtins.str = ...,
+        vars: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        source_name: _builtins.str = ...,
+        workdir: _builtins.str = ...,
+        no_cache: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["no_cache", b"no_cache", "pipeline_yaml", b"pipeline_yaml", "source_name", b"source_name", "vars", b"vars", "workdir", b"workdir"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PlanPipelineRequest: _TypeAlias = PlanPipelineRequest  # noqa: Y015
+
+@_typing.final
+class PlanPipelineResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PLAN_JSON_FIELD_NUMBER: _builtins.int
+    plan_json: _builtins.str
+    """The plan as JSON (the same document `m27 plan --format json` prints)."""
+    def __init__(
+        self,
+        *,
+        plan_json: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["plan_json", b"plan_json"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PlanPipelineResponse: _TypeAlias = PlanPipelineResponse  # noqa: Y015
 
 @_typing.final
 class WatchRunResponse(_message.Message):
@@ -415,6 +573,8 @@ class Run(_message.Message):
     REPORT_PATH_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
     WORKDIR_FIELD_NUMBER: _builtins.int
+    USE_CACHE_FIELD_NUMBER: _builtins.int
+    SOURCE_NAME_FIELD_NUMBER: _builtins.int
     run_id: _builtins.str
     name: _builtins.str
     user: _builtins.str
@@ -428,6 +588,8 @@ class Run(_message.Message):
     """Path of the HTML report once the report service has written it."""
     reason: _builtins.str
     workdir: _builtins.str
+    use_cache: _builtins.bool
+    source_name: _builtins.str
     @_builtins.property
     def steps(self) -> _containers.RepeatedCompositeFieldContainer[Global___Step]: ...
     def __init__(
@@ -445,10 +607,12 @@ class Run(_message.Message):
         report_path: _builtins.str = ...,
         reason: _builtins.str = ...,
         workdir: _builtins.str = ...,
+        use_cache: _builtins.bool = ...,
+        source_name: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "ended_at", b"ended_at", "name", b"name", "reason", b"reason", "report_path", b"report_path", "run_id", b"run_id", "started_at", b"started_at", "state", b"state", "steps", b"steps", "urgency", b"urgency", "user", b"user", "workdir", b"workdir"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "ended_at", b"ended_at", "name", b"name", "reason", b"reason", "report_path", b"report_path", "run_id", b"run_id", "source_name", b"source_name", "started_at", b"started_at", "state", b"state", "steps", b"steps", "urgency", b"urgency", "use_cache", b"use_cache", "user", b"user", "workdir", b"workdir"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -457,6 +621,26 @@ Global___Run: _TypeAlias = Run  # noqa: Y015
 @_typing.final
 class Step(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class MatrixEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
 
     NAME_FIELD_NUMBER: _builtins.int
     TYPE_FIELD_NUMBER: _builtins.int
@@ -478,6 +662,19 @@ class Step(_message.Message):
     OUTPUT_FIELD_NUMBER: _builtins.int
     STDOUT_PATH_FIELD_NUMBER: _builtins.int
     STDERR_PATH_FIELD_NUMBER: _builtins.int
+    OUTPUTS_FIELD_NUMBER: _builtins.int
+    INPUTS_FIELD_NUMBER: _builtins.int
+    GROUP_FIELD_NUMBER: _builtins.int
+    MATRIX_FIELD_NUMBER: _builtins.int
+    FAILURES_FIELD_NUMBER: _builtins.int
+    INFRA_FAILURES_FIELD_NUMBER: _builtins.int
+    HISTORY_FIELD_NUMBER: _builtins.int
+    CACHED_FROM_FIELD_NUMBER: _builtins.int
+    URGENCY_FIELD_NUMBER: _builtins.int
+    PREEMPTIBLE_FIELD_NUMBER: _builtins.int
+    TIMEOUT_S_FIELD_NUMBER: _builtins.int
+    WORKDIR_FIELD_NUMBER: _builtins.int
+    RESOURCES_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     type: Global___StepType.ValueType
     state: Global___StepState.ValueType
@@ -496,12 +693,33 @@ class Step(_message.Message):
     ended_at: _builtins.float
     reason: _builtins.str
     output: _builtins.str
+    """The first declared output (the seed format's `output:`)."""
     stdout_path: _builtins.str
     stderr_path: _builtins.str
+    group: _builtins.str
+    """The matrix step this step was expanded from, and its values."""
+    failures: _builtins.int
+    infra_failures: _builtins.int
+    cached_from: _builtins.str
+    """`<run_id>/<step>` whose results this step reused instead of running."""
+    urgency: Global___Urgency.ValueType
+    preemptible: _builtins.bool
+    timeout_s: _builtins.float
+    workdir: _builtins.str
     @_builtins.property
     def depends_on(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     @_builtins.property
     def gpu_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def outputs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    @_builtins.property
+    def inputs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    @_builtins.property
+    def matrix(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]: ...
+    @_builtins.property
+    def history(self) -> _containers.RepeatedCompositeFieldContainer[Global___Attempt]: ...
+    @_builtins.property
+    def resources(self) -> Global___Resources: ...
     def __init__(
         self,
         *,
@@ -525,16 +743,99 @@ class Step(_message.Message):
         output: _builtins.str = ...,
         stdout_path: _builtins.str = ...,
         stderr_path: _builtins.str = ...,
+        outputs: _abc.Iterable[_builtins.str] | None = ...,
+        inputs: _abc.Iterable[_builtins.str] | None = ...,
+        group: _builtins.str = ...,
+        matrix: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        failures: _builtins.int = ...,
+        infra_failures: _builtins.int = ...,
+        history: _abc.Iterable[Global___Attempt] | None = ...,
+        cached_from: _builtins.str = ...,
+        urgency: Global___Urgency.ValueType = ...,
+        preemptible: _builtins.bool = ...,
+        timeout_s: _builtins.float = ...,
+        workdir: _builtins.str = ...,
+        resources: Global___Resources | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_exit_code", b"_exit_code", "exit_code", b"exit_code"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_exit_code", b"_exit_code", "exit_code", b"exit_code", "resources", b"resources"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_exit_code", b"_exit_code", "attempt", b"attempt", "command", b"command", "depends_on", b"depends_on", "ended_at", b"ended_at", "exit_code", b"exit_code", "gpu_ids", b"gpu_ids", "gpu_share", b"gpu_share", "gpu_simulated", b"gpu_simulated", "name", b"name", "node_id", b"node_id", "output", b"output", "queued_at", b"queued_at", "reason", b"reason", "started_at", b"started_at", "state", b"state", "stderr_path", b"stderr_path", "stderr_tail", b"stderr_tail", "stdout_path", b"stdout_path", "stdout_tail", b"stdout_tail", "type", b"type"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_exit_code", b"_exit_code", "attempt", b"attempt", "cached_from", b"cached_from", "command", b"command", "depends_on", b"depends_on", "ended_at", b"ended_at", "exit_code", b"exit_code", "failures", b"failures", "gpu_ids", b"gpu_ids", "gpu_share", b"gpu_share", "gpu_simulated", b"gpu_simulated", "group", b"group", "history", b"history", "infra_failures", b"infra_failures", "inputs", b"inputs", "matrix", b"matrix", "name", b"name", "node_id", b"node_id", "output", b"output", "outputs", b"outputs", "preemptible", b"preemptible", "queued_at", b"queued_at", "reason", b"reason", "resources", b"resources", "started_at", b"started_at", "state", b"state", "stderr_path", b"stderr_path", "stderr_tail", b"stderr_tail", "stdout_path", b"stdout_path", "stdout_tail", b"stdout_tail", "timeout_s", b"timeout_s", "type", b"type", "urgency", b"urgency", "workdir", b"workdir"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__exit_code: _TypeAlias = _typing.Literal["exit_code"]  # noqa: Y015
     _WhichOneofArgType__exit_code: _TypeAlias = _typing.Literal["_exit_code", b"_exit_code"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType__exit_code) -> _WhichOneofReturnType__exit_code | None: ...
 
 Global___Step: _TypeAlias = Step  # noqa: Y015
+
+@_typing.final
+class Resources(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    GPUS_FIELD_NUMBER: _builtins.int
+    CPUS_FIELD_NUMBER: _builtins.int
+    GPU_MEMORY_MB_FIELD_NUMBER: _builtins.int
+    MEMORY_MB_FIELD_NUMBER: _builtins.int
+    gpus: _builtins.float
+    cpus: _builtins.int
+    gpu_memory_mb: _builtins.int
+    memory_mb: _builtins.int
+    def __init__(
+        self,
+        *,
+        gpus: _builtins.float = ...,
+        cpus: _builtins.int = ...,
+        gpu_memory_mb: _builtins.int = ...,
+        memory_mb: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cpus", b"cpus", "gpu_memory_mb", b"gpu_memory_mb", "gpus", b"gpus", "memory_mb", b"memory_mb"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Resources: _TypeAlias = Resources  # noqa: Y015
+
+@_typing.final
+class Attempt(_message.Message):
+    """One finished attempt of a step."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ATTEMPT_FIELD_NUMBER: _builtins.int
+    NODE_ID_FIELD_NUMBER: _builtins.int
+    STARTED_AT_FIELD_NUMBER: _builtins.int
+    ENDED_AT_FIELD_NUMBER: _builtins.int
+    EXIT_CODE_FIELD_NUMBER: _builtins.int
+    CAUSE_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    attempt: _builtins.int
+    node_id: _builtins.str
+    started_at: _builtins.float
+    ended_at: _builtins.float
+    exit_code: _builtins.int
+    cause: _builtins.str
+    """exit, not_started, timeout, stopped, node_stopped, agent_restarted, lost, preempted"""
+    reason: _builtins.str
+    def __init__(
+        self,
+        *,
+        attempt: _builtins.int = ...,
+        node_id: _builtins.str = ...,
+        started_at: _builtins.float = ...,
+        ended_at: _builtins.float = ...,
+        exit_code: _builtins.int | None = ...,
+        cause: _builtins.str = ...,
+        reason: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_exit_code", b"_exit_code", "exit_code", b"exit_code"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_exit_code", b"_exit_code", "attempt", b"attempt", "cause", b"cause", "ended_at", b"ended_at", "exit_code", b"exit_code", "node_id", b"node_id", "reason", b"reason", "started_at", b"started_at"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__exit_code: _TypeAlias = _typing.Literal["exit_code"]  # noqa: Y015
+    _WhichOneofArgType__exit_code: _TypeAlias = _typing.Literal["_exit_code", b"_exit_code"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__exit_code) -> _WhichOneofReturnType__exit_code | None: ...
+
+Global___Attempt: _TypeAlias = Attempt  # noqa: Y015
 
 @_typing.final
 class RunEvent(_message.Message):
@@ -553,6 +854,7 @@ class RunEvent(_message.Message):
     EXIT_CODE_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
     REPORT_PATH_FIELD_NUMBER: _builtins.int
+    SEQUENCE_FIELD_NUMBER: _builtins.int
     type: _builtins.str
     """The event's tag on the bus, e.g. "step_state_changed"."""
     at: _builtins.float
@@ -568,6 +870,8 @@ class RunEvent(_message.Message):
     exit_code: _builtins.int
     reason: _builtins.str
     report_path: _builtins.str
+    sequence: _builtins.int
+    """The event's sequence number in the events stream (for WatchRun.after_sequence)."""
     def __init__(
         self,
         *,
@@ -582,10 +886,11 @@ class RunEvent(_message.Message):
         exit_code: _builtins.int | None = ...,
         reason: _builtins.str = ...,
         report_path: _builtins.str = ...,
+        sequence: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_exit_code", b"_exit_code", "exit_code", b"exit_code"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_exit_code", b"_exit_code", "at", b"at", "attempt", b"attempt", "exit_code", b"exit_code", "node_id", b"node_id", "previous", b"previous", "reason", b"reason", "report_path", b"report_path", "run_id", b"run_id", "state", b"state", "step", b"step", "type", b"type"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_exit_code", b"_exit_code", "at", b"at", "attempt", b"attempt", "exit_code", b"exit_code", "node_id", b"node_id", "previous", b"previous", "reason", b"reason", "report_path", b"report_path", "run_id", b"run_id", "sequence", b"sequence", "state", b"state", "step", b"step", "type", b"type"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__exit_code: _TypeAlias = _typing.Literal["exit_code"]  # noqa: Y015
     _WhichOneofArgType__exit_code: _TypeAlias = _typing.Literal["_exit_code", b"_exit_code"]  # noqa: Y015

@@ -59,6 +59,16 @@ class PipelineServiceStub:
                 request_serializer=m27_dot_v1_dot_pipeline__pb2.WatchRunRequest.SerializeToString,
                 response_deserializer=m27_dot_v1_dot_pipeline__pb2.WatchRunResponse.FromString,
                 _registered_method=True)
+        self.RetryRun = channel.unary_unary(
+                '/m27.v1.PipelineService/RetryRun',
+                request_serializer=m27_dot_v1_dot_pipeline__pb2.RetryRunRequest.SerializeToString,
+                response_deserializer=m27_dot_v1_dot_pipeline__pb2.RetryRunResponse.FromString,
+                _registered_method=True)
+        self.PlanPipeline = channel.unary_unary(
+                '/m27.v1.PipelineService/PlanPipeline',
+                request_serializer=m27_dot_v1_dot_pipeline__pb2.PlanPipelineRequest.SerializeToString,
+                response_deserializer=m27_dot_v1_dot_pipeline__pb2.PlanPipelineResponse.FromString,
+                _registered_method=True)
 
 
 class PipelineServiceServicer:
@@ -96,7 +106,24 @@ class PipelineServiceServicer:
 
     def WatchRun(self, request, context):
         """First the run as it is now, then each of its events as it happens;
-        the stream ends after the run's final event.
+        the stream ends after the run's final event. With after_sequence, no snapshot: the
+        events after that sequence number, so a client that reconnects misses nothing.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RetryRun(self, request, context):
+        """Runs again the steps of a finished run that did not succeed (same run id, new
+        attempts); FAILED_PRECONDITION when the run is still going or fully succeeded.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PlanPipeline(self, request, context):
+        """Validates and plans a pipeline without running it: levels, resources, critical path,
+        estimated start times (from earlier runs) and which steps would reuse cached results.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -129,6 +156,16 @@ def add_PipelineServiceServicer_to_server(servicer, server):
                     servicer.WatchRun,
                     request_deserializer=m27_dot_v1_dot_pipeline__pb2.WatchRunRequest.FromString,
                     response_serializer=m27_dot_v1_dot_pipeline__pb2.WatchRunResponse.SerializeToString,
+            ),
+            'RetryRun': grpc.unary_unary_rpc_method_handler(
+                    servicer.RetryRun,
+                    request_deserializer=m27_dot_v1_dot_pipeline__pb2.RetryRunRequest.FromString,
+                    response_serializer=m27_dot_v1_dot_pipeline__pb2.RetryRunResponse.SerializeToString,
+            ),
+            'PlanPipeline': grpc.unary_unary_rpc_method_handler(
+                    servicer.PlanPipeline,
+                    request_deserializer=m27_dot_v1_dot_pipeline__pb2.PlanPipelineRequest.FromString,
+                    response_serializer=m27_dot_v1_dot_pipeline__pb2.PlanPipelineResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -266,6 +303,60 @@ class PipelineService:
             '/m27.v1.PipelineService/WatchRun',
             m27_dot_v1_dot_pipeline__pb2.WatchRunRequest.SerializeToString,
             m27_dot_v1_dot_pipeline__pb2.WatchRunResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RetryRun(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/m27.v1.PipelineService/RetryRun',
+            m27_dot_v1_dot_pipeline__pb2.RetryRunRequest.SerializeToString,
+            m27_dot_v1_dot_pipeline__pb2.RetryRunResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PlanPipeline(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/m27.v1.PipelineService/PlanPipeline',
+            m27_dot_v1_dot_pipeline__pb2.PlanPipelineRequest.SerializeToString,
+            m27_dot_v1_dot_pipeline__pb2.PlanPipelineResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -8,12 +8,18 @@ Life of a run
 A run is created by SubmitPipeline from a pipeline YAML. Its steps form a DAG.
 
   step:  PENDING ──deps succeeded──▶ QUEUED ──placed & started──▶ RUNNING
-         RUNNING ──exit 0──▶ SUCCEEDED      RUNNING ──exit ≠ 0 / lost──▶ FAILED
+         QUEUED ──identical earlier step found (cache)──▶ SUCCEEDED
+         RUNNING ──exit 0 (declared outputs exist)──▶ SUCCEEDED
+         RUNNING ──failed, a retry left──▶ RETRYING ──started again──▶ RUNNING
+         RUNNING ──failed, no retry left──▶ FAILED
          any non-final ──CancelRun──▶ CANCELLED
          PENDING ──an upstream step failed or was cancelled──▶ SKIPPED
+  Program failures (exit code, timeout) and infrastructure losses (node lost or stopped,
+  preemption) are retried separately, each with its own budget and backoff.
 
   run:   QUEUED (no step started yet) ──▶ RUNNING (a step started)
          ──▶ SUCCEEDED (every step succeeded) | FAILED (a step failed) | CANCELLED
+  RetryRun puts a finished run's unsucceeded steps back to PENDING.
 
 Steps whose dependencies do not depend on a failed step keep running after a
 failure elsewhere (like `make -k`); the run ends FAILED once nothing can run.
@@ -62,7 +68,16 @@ class PipelineServiceStub:
     """
     WatchRun: _grpc.UnaryStreamMultiCallable[_pipeline_pb2.WatchRunRequest, _pipeline_pb2.WatchRunResponse]
     """First the run as it is now, then each of its events as it happens;
-    the stream ends after the run's final event.
+    the stream ends after the run's final event. With after_sequence, no snapshot: the
+    events after that sequence number, so a client that reconnects misses nothing.
+    """
+    RetryRun: _grpc.UnaryUnaryMultiCallable[_pipeline_pb2.RetryRunRequest, _pipeline_pb2.RetryRunResponse]
+    """Runs again the steps of a finished run that did not succeed (same run id, new
+    attempts); FAILED_PRECONDITION when the run is still going or fully succeeded.
+    """
+    PlanPipeline: _grpc.UnaryUnaryMultiCallable[_pipeline_pb2.PlanPipelineRequest, _pipeline_pb2.PlanPipelineResponse]
+    """Validates and plans a pipeline without running it: levels, resources, critical path,
+    estimated start times (from earlier runs) and which steps would reuse cached results.
     """
 
 @_typing.type_check_only
@@ -82,7 +97,16 @@ class PipelineServiceAsyncStub(PipelineServiceStub):
     """
     WatchRun: _aio.UnaryStreamMultiCallable[_pipeline_pb2.WatchRunRequest, _pipeline_pb2.WatchRunResponse]  # type: ignore[assignment]
     """First the run as it is now, then each of its events as it happens;
-    the stream ends after the run's final event.
+    the stream ends after the run's final event. With after_sequence, no snapshot: the
+    events after that sequence number, so a client that reconnects misses nothing.
+    """
+    RetryRun: _aio.UnaryUnaryMultiCallable[_pipeline_pb2.RetryRunRequest, _pipeline_pb2.RetryRunResponse]  # type: ignore[assignment]
+    """Runs again the steps of a finished run that did not succeed (same run id, new
+    attempts); FAILED_PRECONDITION when the run is still going or fully succeeded.
+    """
+    PlanPipeline: _aio.UnaryUnaryMultiCallable[_pipeline_pb2.PlanPipelineRequest, _pipeline_pb2.PlanPipelineResponse]  # type: ignore[assignment]
+    """Validates and plans a pipeline without running it: levels, resources, critical path,
+    estimated start times (from earlier runs) and which steps would reuse cached results.
     """
 
 class PipelineServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -129,7 +153,28 @@ class PipelineServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_pipeline_pb2.WatchRunResponse], _abc.AsyncIterator[_pipeline_pb2.WatchRunResponse]]:
         """First the run as it is now, then each of its events as it happens;
-        the stream ends after the run's final event.
+        the stream ends after the run's final event. With after_sequence, no snapshot: the
+        events after that sequence number, so a client that reconnects misses nothing.
+        """
+
+    @_abc_1.abstractmethod
+    def RetryRun(
+        self,
+        request: _pipeline_pb2.RetryRunRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_pipeline_pb2.RetryRunResponse, _abc.Awaitable[_pipeline_pb2.RetryRunResponse]]:
+        """Runs again the steps of a finished run that did not succeed (same run id, new
+        attempts); FAILED_PRECONDITION when the run is still going or fully succeeded.
+        """
+
+    @_abc_1.abstractmethod
+    def PlanPipeline(
+        self,
+        request: _pipeline_pb2.PlanPipelineRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_pipeline_pb2.PlanPipelineResponse, _abc.Awaitable[_pipeline_pb2.PlanPipelineResponse]]:
+        """Validates and plans a pipeline without running it: levels, resources, critical path,
+        estimated start times (from earlier runs) and which steps would reuse cached results.
         """
 
 def add_PipelineServiceServicer_to_server(servicer: PipelineServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -5,7 +5,7 @@ from __future__ import annotations
 from m27.common import events, subjects
 from m27.common.ids import task_id
 from m27.orchestrator import runs
-from m27.orchestrator.pipeline import load_pipeline
+from m27.pipeline import load_pipeline
 
 RUN = "r-20261201-000000-abcdef"
 SEED = """\
@@ -17,10 +17,10 @@ pipeline:
 """
 
 
-def start() -> runs.StoredRun:
-    spec = load_pipeline(SEED)
-    return runs.new_run(spec, run_id=RUN, user="ada", urgency="high", variables={},
-                        workdir="/w", now=100.0)
+def start(text: str = SEED, use_cache: bool = False) -> runs.StoredRun:
+    spec = load_pipeline(text, urgency="high")
+    return runs.new_run(spec, run_id=RUN, user="ada", variables={}, workdir="/w", now=100.0,
+                        use_cache=use_cache)
 
 
 def flush(stored: runs.StoredRun) -> tuple[runs.StoredRun, list[events.Message]]:

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from m27.orchestrator import dag
+from m27.pipeline import dag
 
 
 @pytest.mark.parametrize(("graph", "cycles"), [

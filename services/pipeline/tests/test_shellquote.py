@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from m27.orchestrator.shellquote import substitute
+from m27.pipeline.shellquote import substitute
 
 PLACEHOLDER = re.compile(r"\{\{(.*?)\}\}")
 # Each template prints the argument(s) the program gets, NUL-separated.

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from m27.orchestrator.pipeline import MAX_PIPELINE_BYTES, PipelineError, load_pipeline
+from m27.pipeline import MAX_PIPELINE_BYTES, PipelineError, load_pipeline
 
 SEED = """\
 pipeline:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import re
 import shlex
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Final, Literal
 
 Context = Literal["plain", "single", "double", "backtick"]
@@ -32,9 +32,16 @@ def quote(value: str, context: Context) -> str:
     return shlex.quote(value)
 
 
+def quote_all(values: Sequence[str], context: Context) -> str:
+    """Several values (a step's outputs): one word each outside quotes, else one text."""
+    if context in ("plain", "backtick"):
+        return " ".join(quote(v, context) for v in values)
+    return quote(" ".join(values), context)
+
+
 def substitute(template: str, placeholder: re.Pattern[str],
-               value_for: Callable[[re.Match[str]], str | None]) -> str:
-    """Replace each placeholder match by its value, quoted for its context.
+               value_for: Callable[[re.Match[str]], str | Sequence[str] | None]) -> str:
+    """Replace each placeholder match by its value(s), quoted for its context.
 
     `value_for` returns None to leave a placeholder as written (it reports the problem)."""
     out: list[str] = []
@@ -44,7 +51,12 @@ def substitute(template: str, placeholder: re.Pattern[str],
         match = placeholder.match(template, i)
         if match:
             value = value_for(match)
-            out.append(match.group(0) if value is None else quote(value, stack[-1]))
+            if value is None:
+                out.append(match.group(0))
+            elif isinstance(value, str):
+                out.append(quote(value, stack[-1]))
+            else:
+                out.append(quote_all(value, stack[-1]))
             i = match.end()
             continue
         step = _advance(template, i, stack)

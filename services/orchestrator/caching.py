@@ -1,0 +1,190 @@
+"""Reusing the results of identical earlier steps, like Nextflow's `-resume`.
+
+A step's cache key is the hash of what determines its results: its resolved command, type,
+resources, environment, working directory, declared outputs, and the *content* of its
+declared inputs. Only steps that declare outputs are reused — those are what a later step
+consumes, and they are checked (same content as recorded) before a hit counts; a step that
+declares none always runs. List the scripts a step runs under `inputs:` so that editing
+them invalidates the cache. Reuse needs the run's working directory (so outputs are where
+the pipeline expects them) and, for hashing, the orchestrator must see the files (true on
+one machine and on a shared filesystem); otherwise the step simply runs.
+
+`cache_key` and `verdict` are pure; `Cache` does the file hashing (in a thread) and keeps
+entries in the KV bucket `m27_cache`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Final
+
+import msgspec
+
+from m27.common import subjects
+from m27.common.bus import Bus
+from m27.common.logging import get_logger
+from m27.common.model import RunRecord, StepRecord
+from m27.orchestrator.runs import CacheHit, step_workdir
+
+log = get_logger()
+
+CHUNK: Final = 1024 * 1024
+MAX_TREE_FILES: Final = 100_000
+
+
+class OutputRecord(msgspec.Struct, frozen=True, kw_only=True):
+    path: str
+    digest: str
+
+
+class CacheEntry(msgspec.Struct, frozen=True, kw_only=True):
+    """What an earlier step produced, kept under its cache key."""
+
+    task_id: str
+    outputs: tuple[OutputRecord, ...]
+    created_at: float
+
+
+class NotCacheable(Exception):
+    """Why a step cannot be reused (it then runs); shown in the plan."""
+
+
+def absolute(run: RunRecord, step: StepRecord, path: str) -> str:
+    """A declared path as the step sees it, made absolute."""
+    if os.path.isabs(path):
+        return path
+    return os.path.normpath(os.path.join(step_workdir(run, step), path))
+
+
+def cacheable(run: RunRecord, step: StepRecord) -> str:
+    """'' when the step may be reused, else why not."""
+    if not run.use_cache:
+        return "caching is off for this run (--no-cache)"
+    if not step.outputs:
+        return "declares no outputs"
+    if not step_workdir(run, step) or not os.path.isabs(step_workdir(run, step)):
+        return "the run has no working directory to find earlier outputs in"
+    return ""
+
+
+def cache_key(run: RunRecord, step: StepRecord, input_digests: Mapping[str, str]) -> str:
+    """The hash of everything that determines the step's results (pure)."""
+    material = {
+        "command": step.command, "type": step.type,
+        "resources": msgspec.to_builtins(step.resources), "env": dict(sorted(step.env.items())),
+        "workdir": step_workdir(run, step),
+        "outputs": [absolute(run, step, o) for o in step.outputs],
+        "inputs": sorted(input_digests.items()),
+    }
+    return hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()
+
+
+def verdict(entry: CacheEntry | None, current: Mapping[str, str | None]) -> CacheHit | None:
+    """A hit when an entry exists and every output it recorded is still there, unchanged."""
+    if entry is None or not entry.outputs:
+        return None
+    if any(current.get(o.path) != o.digest for o in entry.outputs):
+        return None
+    return CacheHit(task_id=entry.task_id, outputs=tuple(o.path for o in entry.outputs))
+
+
+def digest_path(path: str) -> str:
+    """sha256 of a file's bytes, or of a directory's files (relative names and contents).
+
+    Raises OSError when it cannot be read."""
+    target = Path(path)
+    if target.is_dir():
+        tree = hashlib.sha256(b"dir\0")
+        files = sorted(p for p in target.rglob("*") if p.is_file())
+        if len(files) > MAX_TREE_FILES:
+            raise OSError(f"{path}: more than {MAX_TREE_FILES} files to hash")
+        for file in files:
+            tree.update(str(file.relative_to(target)).encode() + b"\0")
+            tree.update(_file_digest(file).encode())
+        return tree.hexdigest()
+    return _file_digest(target)
+
+
+def _file_digest(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as file:
+        while chunk := file.read(CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+class _Digests:
+    """Digests remembered by (path, size, mtime, inode): unchanged files are hashed once."""
+
+    def __init__(self) -> None:
+        self._known: dict[tuple[str, int, int, int], str] = {}
+
+    def of(self, path: str) -> str:
+        stat = os.stat(path)
+        key = (path, stat.st_size, stat.st_mtime_ns, stat.st_ino)
+        if key not in self._known:
+            self._known[key] = digest_path(path)
+        return self._known[key]
+
+    def of_all(self, paths: list[str]) -> dict[str, str | None]:
+        result: dict[str, str | None] = {}
+        for path in paths:
+            try:
+                result[path] = self.of(path)
+            except OSError:
+                result[path] = None
+        return result
+
+
+class Cache:
+    """Lookup and store of cache entries; file hashing runs in a worker thread."""
+
+    def __init__(self, bus: Bus) -> None:
+        self.bus = bus
+        self._digests = _Digests()
+
+    async def lookup(self, run: RunRecord, step: StepRecord) -> tuple[str, CacheHit | None]:
+        """(cache key, hit or None); key '' when the step cannot be reused."""
+        try:
+            key = await asyncio.to_thread(self._key, run, step)
+        except NotCacheable as exc:
+            log.info("cache.not_cacheable", step=step.name, reason=str(exc))
+            return "", None
+        got = await self.bus.kv_get(subjects.CACHE_BUCKET, key, CacheEntry)
+        entry = got[0] if got else None
+        outputs = [o.path for o in entry.outputs] if entry else []
+        current = await asyncio.to_thread(self._digests.of_all, outputs)
+        hit = verdict(entry, current)
+        log.info("cache.lookup", step=step.name, key=key[:12], hit=bool(hit))
+        return key, hit
+
+    def _key(self, run: RunRecord, step: StepRecord) -> str:
+        why = cacheable(run, step)
+        if why:
+            raise NotCacheable(why)
+        digests: dict[str, str] = {}
+        for path in (absolute(run, step, i) for i in step.inputs):
+            try:
+                digests[path] = self._digests.of(path)
+            except OSError as exc:
+                raise NotCacheable(f"input {path} cannot be read: {exc.strerror}") from exc
+        return cache_key(run, step, digests)
+
+    async def store(self, run: RunRecord, step: StepRecord, now: float) -> None:
+        """Remember a step that succeeded by running, if it is reusable."""
+        if not step.cache_key or step.cached_from:
+            return
+        paths = [absolute(run, step, o) for o in step.outputs]
+        current = await asyncio.to_thread(self._digests.of_all, paths)
+        if any(d is None for d in current.values()):
+            return  # an output vanished already; nothing trustworthy to keep
+        entry = CacheEntry(task_id=f"{run.run_id}/{step.name}", created_at=now,
+                           outputs=tuple(OutputRecord(path=p, digest=d or "")
+                                         for p, d in current.items()))
+        await self.bus.kv_put(subjects.CACHE_BUCKET, step.cache_key, entry)
+        log.info("cache.stored", step=step.name, key=step.cache_key[:12])

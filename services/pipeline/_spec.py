@@ -1,0 +1,312 @@
+"""Pipeline YAML → a validated, expanded plan of steps (pure). Every problem is reported at once.
+
+The seed format users already write keeps working as written:
+
+    pipeline:
+      - name: preprocessing
+        type: cpu
+        command: python prepare_pdb.py --input {{INPUT_FILE}}
+        output: /tmp/preprocessed.pdb
+      - name: md_simulation
+        type: gpu
+        depends_on: [preprocessing]
+        checkpoint: 300s
+        command: gmx mdrun -deffnm simulation -v
+
+On top of it: `vars:`, `resources:`, `priority:`, `preemptible:`, `retries:`, `timeout:`,
+`env:`, `workdir:`, `inputs:`/`outputs:`, `{{steps.X.output}}` references and `matrix:`
+sweeps with `max_parallel:` (docs/pipelines.md). Each problem carries `file:line:column`,
+the key path, what was expected and a hint where one helps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import PurePosixPath
+from typing import Final
+
+import msgspec
+import yaml
+
+from m27.common.model import Resources, StepRecord, StepType, Urgency
+from m27.pipeline import _matrix, dag
+from m27.pipeline._document import DocumentReader, RawDocument, RawStep
+from m27.pipeline._templates import VAR_NAME_RE, Renderer, Scope
+from m27.pipeline._yaml import PipelineError, Problem, compose, did_you_mean, problem_at
+
+MAX_PIPELINE_BYTES: Final = 1024 * 1024
+MAX_STEPS: Final = 20_000
+MAX_COMMAND_BYTES: Final = 64 * 1024
+MAX_VAR_BYTES: Final = 64 * 1024
+TENTH_TOLERANCE: Final = 1e-9
+
+
+class PipelineSpec(msgspec.Struct, frozen=True, kw_only=True):
+    """A valid pipeline: its steps (sweeps expanded) in an order where each follows its
+    dependencies, ready to become a run."""
+
+    name: str
+    urgency: Urgency
+    steps: tuple[StepRecord, ...]
+    max_parallel: dict[str, int] = msgspec.field(default_factory=dict)
+    variables: dict[str, str] = msgspec.field(default_factory=dict)
+
+    def graph(self) -> dict[str, tuple[str, ...]]:
+        return {s.name: s.depends_on for s in self.steps}
+
+
+@dataclass
+class _Draft:
+    """One step to be: a plain step, or one member of a sweep."""
+
+    raw: RawStep
+    name: str
+    matrix: dict[str, str] = field(default_factory=dict)
+    depends_on: tuple[str, ...] = ()
+
+
+def load_pipeline(text: str, variables: Mapping[str, str] | None = None, *,
+                  source: str = "<pipeline>", gpu_light_share: float = 0.5,
+                  urgency: Urgency | None = None, workdir: str = "") -> PipelineSpec:
+    """Parse, validate, expand and fill in `text`; PipelineError lists every problem.
+
+    `urgency` (the submitter's, if given) overrides the file's `priority:` for steps that
+    set none; `workdir` (the run's) makes output references absolute."""
+    problems: list[Problem] = []
+    if len(text.encode("utf-8", "surrogatepass")) > MAX_PIPELINE_BYTES:
+        raise PipelineError(source, [Problem(
+            message=f"file is larger than {MAX_PIPELINE_BYTES // 1024} KiB",
+            hint="a pipeline describes steps; keep data in files the steps read")])
+    root = compose(text, problems)
+    if root is None:
+        raise PipelineError(source, problems)
+    doc = DocumentReader(problems).document(root, default_name=_default_name(source))
+    values = _variables(doc, dict(variables or {}), problems)
+    drafts, members = _expand(doc.steps, problems)
+    _link(doc.steps, drafts, members, problems)
+    order = _order(drafts, doc.steps, problems)
+    steps = _build(order, doc, values, members, gpu_light_share, urgency, workdir, problems)
+    if problems:
+        raise PipelineError(source, _unique(problems))
+    caps = {raw.name: raw.max_parallel for raw in doc.steps if raw.max_parallel}
+    return PipelineSpec(name=doc.name, urgency=urgency or doc.urgency or "normal",
+                        steps=tuple(steps), max_parallel=caps, variables=values)
+
+
+def _default_name(source: str) -> str:
+    stem = source.rsplit("/", 1)[-1].rsplit(".", 1)[0]
+    return stem if stem and not stem.startswith("<") else "pipeline"
+
+
+def _unique(problems: list[Problem]) -> list[Problem]:
+    """A placeholder problem in a sweep is found once per member; report it once."""
+    return list(dict.fromkeys(problems))
+
+
+def _variables(doc: RawDocument, given: dict[str, str],
+               problems: list[Problem]) -> dict[str, str]:
+    """The values placeholders see: `vars:` defaults overlaid with the submitted ones."""
+    for name, value in given.items():
+        if not VAR_NAME_RE.fullmatch(name):
+            problems.append(Problem(message=f"invalid variable name {name!r}",
+                                    hint="use letters, digits and '_', not starting with "
+                                    "a digit"))
+        elif "\x00" in value or len(value.encode("utf-8", "surrogatepass")) > MAX_VAR_BYTES:
+            problems.append(Problem(message=f"variable {name} has a NUL byte or is longer "
+                                    f"than {MAX_VAR_BYTES // 1024} KiB"))
+    if not doc.declared_vars:
+        return dict(given)
+    for name in given:
+        if name not in doc.vars and VAR_NAME_RE.fullmatch(name):
+            problems.append(Problem(
+                message=f"variable {name} was given but the pipeline does not declare it",
+                hint=did_you_mean(name, sorted(doc.vars))
+                or f"declared: {', '.join(doc.vars) or 'none'}"))
+    for name, default in doc.vars.items():
+        if default is None and name not in given:
+            problems.append(problem_at(doc.var_nodes.get(name), f"vars.{name}",
+                                       f"variable `{name}` has no default and was not given",
+                                       f"pass it with `--var {name}=VALUE`"))
+    defaults = {k: v for k, v in doc.vars.items() if v is not None}
+    return {**defaults, **given}
+
+
+def _expand(raws: list[RawStep], problems: list[Problem]) -> tuple[list[_Draft],
+                                                                   dict[str, list[str]]]:
+    """Drafts in file order (sweeps expanded) and each name's members (itself, or a
+    sweep's members); duplicate names are problems."""
+    drafts: list[_Draft] = []
+    members: dict[str, list[str]] = {}
+    taken: dict[str, RawStep] = {}
+    for raw in raws:
+        if raw.matrix:
+            combos = _matrix.combinations(raw.matrix)
+            names = _matrix.member_names(raw.name, combos)
+            group = [_Draft(raw=raw, name=n, matrix=c) for n, c in zip(names, combos,
+                                                                         strict=True)]
+        else:
+            group = [_Draft(raw=raw, name=raw.name)]
+        for name in {raw.name, *(d.name for d in group)}:
+            if name in taken:
+                problems.append(problem_at(raw.node, f"{raw.path}.name",
+                                           f"duplicate step name `{name}`",
+                                           f"also at line {taken[name].node.start_mark.line + 1}"))
+            taken[name] = raw
+        members[raw.name] = [d.name for d in group]
+        drafts.extend(group)
+    if len(drafts) > MAX_STEPS:
+        problems.append(Problem(message=f"the sweeps expand to {len(drafts)} steps, more than "
+                                f"{MAX_STEPS}"))
+        return [], {}
+    for draft in drafts:
+        members.setdefault(draft.name, [draft.name])
+    return drafts, members
+
+
+def _link(raws: list[RawStep], drafts: list[_Draft], members: dict[str, list[str]],
+          problems: list[Problem]) -> None:
+    """Resolve depends_on (a step, a sweep, or one member of a sweep) for every draft."""
+    own: dict[str, set[str]] = {raw.name: set(members.get(raw.name, [])) | {raw.name}
+                                for raw in raws}
+    resolved: dict[int, tuple[str, ...]] = {}
+    for raw in raws:
+        deps: list[str] = []
+        for name, node in raw.depends_on:
+            if name in own[raw.name]:
+                problems.append(problem_at(node, f"{raw.path}.depends_on",
+                                           f"step `{name}` depends on itself"))
+            elif name not in members:
+                problems.append(problem_at(node, f"{raw.path}.depends_on",
+                                           f"unknown step `{name}`",
+                                           did_you_mean(name, [r.name for r in raws])
+                                           or f"steps are: {', '.join(r.name for r in raws)}"))
+            else:
+                deps.extend(m for m in members[name] if m not in deps)
+        resolved[raw.index] = tuple(deps)
+    for draft in drafts:
+        draft.depends_on = resolved.get(draft.raw.index, ())
+
+
+def _order(drafts: list[_Draft], raws: list[RawStep], problems: list[Problem]) -> list[_Draft]:
+    """Drafts so that each follows its dependencies; cycles (found between the steps as
+    written, so a sweep's cycle is reported once) are problems, printed as a path."""
+    owner = {d.name: d.raw.name for d in drafts}
+    template_graph: dict[str, set[str]] = {raw.name: set() for raw in raws}
+    for draft in drafts:
+        template_graph[draft.raw.name].update(owner[d] for d in draft.depends_on)
+    cycles = dag.find_cycles({k: sorted(v) for k, v in template_graph.items()})
+    by_name = {raw.name: raw for raw in raws}
+    for cycle in cycles:
+        problems.append(problem_at(by_name[cycle[0]].node, "pipeline",
+                                   "dependency cycle: " + " → ".join(cycle),
+                                   "a step cannot depend on itself, directly or through "
+                                   "other steps"))
+    index = {d.name: d for d in drafts}
+    if cycles or len(index) < len(drafts):  # broken graph: report the rest in file order
+        return drafts
+    return [index[n] for n in dag.topological_order({d.name: d.depends_on for d in drafts})]
+
+
+def _kind(raw: RawStep, share: float, problems: list[Problem]) -> tuple[StepType, Resources]:
+    """The step's type and resources; `type` sets defaults, `resources.gpus` refines them."""
+    defaults: dict[StepType, float] = {"cpu": 0.0, "gpu": 1.0, "gpu_light": share}
+    step_type = raw.type
+    gpus = raw.gpus
+    path = f"{raw.path}.resources.gpus"
+    if gpus is None:
+        step_type = step_type or "cpu"
+        gpus = defaults[step_type]
+    else:
+        if abs(gpus * 10 - round(gpus * 10)) > TENTH_TOLERANCE:
+            problems.append(problem_at(raw.gpus_node, path, f"gpus: {gpus:g} is not in tenths",
+                                       "GPU shares come in tenths: 0.1, 0.2, … 0.9, 1, 2, …"))
+        elif gpus > 1 and gpus != int(gpus):
+            problems.append(problem_at(raw.gpus_node, path,
+                                       f"gpus: {gpus:g}: more than one GPU must be a whole "
+                                       "number", "a step gets either a share of one GPU or "
+                                       "whole GPUs"))
+        fitting: StepType = "cpu" if gpus == 0 else "gpu_light" if gpus < 1 else "gpu"
+        if step_type is not None and step_type != fitting:
+            problems.append(problem_at(raw.gpus_node, path,
+                                       f"type {step_type} does not fit gpus: {gpus:g}",
+                                       f"use type {fitting}, or leave type out"))
+        step_type = step_type or fitting
+    if raw.gpu_memory_mb and gpus == 0:
+        problems.append(problem_at(raw.gpus_node or raw.node, f"{raw.path}.resources",
+                                   "gpu_memory is set but the step uses no GPU"))
+    return step_type, Resources(gpus=round(gpus, 1), cpus=raw.cpus,
+                                gpu_memory_mb=raw.gpu_memory_mb, memory_mb=raw.memory_mb)
+
+
+def _reference_path(path: str, step_workdir: str, run_workdir: str) -> str:
+    """Where another step finds this output: joined with the step's and the run's workdir."""
+    result = PurePosixPath(path)
+    if not result.is_absolute() and step_workdir:
+        result = PurePosixPath(step_workdir) / result
+    if not result.is_absolute() and run_workdir:
+        result = PurePosixPath(run_workdir) / result
+    return str(result)
+
+
+def _build(order: Sequence[_Draft], doc: RawDocument, values: dict[str, str],
+           members: dict[str, list[str]], share: float, urgency: Urgency | None,
+           run_workdir: str, problems: list[Problem]) -> list[StepRecord]:
+    kinds = {raw.index: _kind(raw, share, problems) for raw in doc.steps}
+    sweeps = {raw.name: len(members[raw.name]) for raw in doc.steps if raw.matrix}
+    graph = {d.name: d.depends_on for d in order}
+    referable: dict[str, list[str]] = {}  # step or sweep → output paths, as steps are built
+    steps: list[StepRecord] = []
+    for draft in order:
+        raw = draft.raw
+        scope = Scope(variables=values, matrix=draft.matrix, outputs=referable,
+                      members=sweeps, all_steps=[r.name for r in doc.steps],
+                      declared_vars=doc.declared_vars,
+                      reaches=_reach(graph, draft.name, members))
+        step = _step(draft, kinds[raw.index], scope, doc, urgency, problems)
+        steps.append(step)
+        paths = [_reference_path(o, step.workdir, run_workdir) for o in step.outputs]
+        referable[draft.name] = paths
+        if raw.matrix:
+            referable.setdefault(raw.name, []).extend(paths)
+    return steps
+
+
+def _reach(graph: Mapping[str, Sequence[str]], start: str,
+           members: Mapping[str, list[str]]) -> Callable[[str], bool]:
+    """Whether `start` depends, directly or not, on a step (or on every member of a sweep).
+    Computed only when a placeholder asks: most steps never refer to others."""
+    found: set[str] | None = None
+
+    def reaches(name: str) -> bool:
+        nonlocal found
+        if found is None:
+            found = dag.ancestors(graph, start)
+        return all(m in found for m in members.get(name, [name]))
+
+    return reaches
+
+
+def _step(draft: _Draft, kind: tuple[StepType, Resources], scope: Scope, doc: RawDocument,
+          urgency: Urgency | None, problems: list[Problem]) -> StepRecord:
+    raw = draft.raw
+
+    def renderer(node: yaml.Node | None, path: str) -> Renderer:
+        return Renderer(scope, node, f"{raw.path}.{path}", problems)
+
+    command = renderer(raw.command_node, "command").shell(raw.command)
+    if len(command.encode("utf-8", "surrogatepass")) > MAX_COMMAND_BYTES:
+        problems.append(problem_at(raw.command_node, f"{raw.path}.command",
+                                   f"the command is longer than {MAX_COMMAND_BYTES // 1024} KiB"))
+    workdir = renderer(raw.workdir[1], "workdir").raw(raw.workdir[0]) if raw.workdir else ""
+    return StepRecord(
+        name=draft.name, type=kind[0], command=command, depends_on=draft.depends_on,
+        outputs=tuple(renderer(n, "outputs").raw(v) for v, n in raw.outputs),
+        inputs=tuple(renderer(n, "inputs").raw(v) for v, n in raw.inputs),
+        checkpoint_interval_s=raw.checkpoint_s, resources=kind[1],
+        urgency=raw.urgency or urgency or doc.urgency or "normal",
+        preemptible=raw.preemptible if raw.preemptible is not None
+        else bool(doc.preemptible),
+        retry=raw.retry, timeout_s=raw.timeout_s,
+        env={k: renderer(n, f"env.{k}").raw(raw.env_values[k]) for k, n in raw.env},
+        workdir=workdir, group=raw.name if raw.matrix else "", matrix=draft.matrix)
