@@ -157,3 +157,70 @@ def test_demo_runs_to_a_finished_report(m27: M27) -> None:
     analysis = json.loads((workdir / "analysis.json").read_text())
     assert analysis["test_samples"] > 0
     assert 0.0 <= analysis["accuracy"] <= 1.0
+
+
+def test_plan_works_without_a_running_system(m27: M27) -> None:
+    sweep = m27.cwd / "sweep.yaml"
+    sweep.write_text("""pipeline:
+  - {name: prep, command: x, output: d.csv}
+  - name: train
+    depends_on: [prep]
+    matrix: {lr: [1, 2], seed: [1, 2, 3]}
+    max_parallel: 2
+    resources: {gpus: 0.5}
+    command: "train {{matrix.lr}} {{matrix.seed}} {{steps.prep.output}}"
+  - {name: compare, depends_on: [train], command: x}
+""")
+    text = m27("plan", str(sweep))
+    assert text.returncode == 0, text.stderr
+    assert "plan for sweep: 8 steps in 3 level(s)" in text.stdout
+    assert "train ×6 (at most 2 at once) gpu_light, 0.5 GPU, 1 CPU" in text.stdout
+    assert "critical path: prep → train-lr1-seed1 → compare" in text.stdout
+    assert "no running system" in text.stdout
+    plan = json.loads(m27("plan", str(sweep), "--format", "json").stdout)
+    assert [s["level"] for s in plan["steps"]] == [0] + [1] * 6 + [2]
+    assert plan["steps"][1]["command"].endswith(f"{m27.cwd}/d.csv")
+    broken = m27.cwd / "broken.yaml"
+    broken.write_text("pipeline:\n  - {name: a, command: x, depends_on: [a]}\n")
+    result = m27("plan", str(broken))
+    assert result.returncode == 1
+    assert "step `a` depends on itself" in result.stderr
+
+
+def test_history_retry_and_cancel_of_one_step_from_the_command_line(m27: M27) -> None:
+    assert m27("up").returncode == 0
+    flaky = m27.cwd / "flaky.yaml"
+    flaky.write_text("pipeline:\n  - {name: first, command: 'true'}\n"
+                     "  - {name: second, command: 'test -f ok', depends_on: [first]}\n")
+    failed_id = m27("submit", str(flaky), "--watch", "--user", "cli-test").stdout.strip()
+    listed = json.loads(m27("runs", "--state", "failed", "--user", "cli-test",
+                            "--json").stdout)
+    assert [r["run_id"] for r in listed["runs"]] == [failed_id]
+    assert json.loads(m27("runs", "--since", "1h", "--json").stdout)["runs"]
+    assert "--since expects" in m27("runs", "--since", "yesterday-ish").stderr
+    (m27.cwd / "ok").write_text("")
+    retry = m27("retry", failed_id, "--watch")
+    assert retry.returncode == 0, retry.stdout + retry.stderr
+    assert "1 step(s) will run again (second)" in retry.stdout
+    shown = m27("show", failed_id).stdout
+    assert "second" in shown
+    assert "attempt 2" in shown
+    again = m27("retry", failed_id)
+    assert again.returncode == 1
+    assert "every step has its results" in again.stderr
+
+    two = m27.cwd / "two.yaml"
+    two.write_text("pipeline:\n  - {name: slow, command: 'sleep 120'}\n"
+                   "  - {name: quick, command: 'sleep 1'}\n")
+    run_id = m27("submit", str(two)).stdout.strip()
+    deadline = time.monotonic() + 20
+    while "slow                     cpu       running" not in m27("show", run_id).stdout:
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    cancel = m27("cancel", run_id, "--step", "slow")
+    assert cancel.returncode == 0, cancel.stderr
+    watched = m27("watch", run_id)
+    assert watched.returncode == 3
+    states = {s["name"]: s["state"] for s in json.loads(m27("show", run_id, "--json").stdout)
+              ["steps"]}
+    assert states == {"slow": "cancelled", "quick": "succeeded"}

@@ -199,7 +199,7 @@ async def test_a_failing_step_reports_its_exit_code_and_stderr_tail(
     exited = await watch.wait_for(events.TaskExited, of(cmd))
     assert watch.seen.index(started) < watch.seen.index(exited)
     assert (exited.exit_code, exited.signal, exited.started) == (3, None, True)
-    assert exited.reason == "exit code 3"
+    assert (exited.cause, exited.reason) == ("exit", "exit code 3")
     assert exited.stdout_tail == "hi\n"
     assert "oops" in exited.stderr_tail
     assert exited.started_at == started.at
@@ -261,7 +261,7 @@ async def test_a_step_that_cannot_start_is_reported_not_started(
     cmd = start_cmd(**{"command": "true", **changes})
     await send(bus, cmd)
     exited = await watch.wait_for(events.TaskExited, of(cmd))
-    assert (exited.started, exited.exit_code) == (False, 127)
+    assert (exited.started, exited.exit_code, exited.cause) == (False, 127, "not_started")
     assert exited.reason.startswith("could not start: ")
     assert why in exited.reason
     assert not watch.all(events.TaskStarted, of(cmd))
@@ -282,7 +282,7 @@ async def test_stop_task_kills_the_whole_process_group(
                                     grace_s=10, reason="preempted"))
     exited = await watch.wait_for(events.TaskExited, of(cmd))
     assert (exited.exit_code, exited.signal) == (128 + signal.SIGTERM, signal.SIGTERM)
-    assert exited.reason == "killed by SIGTERM: stopped: preempted"
+    assert (exited.cause, exited.reason) == ("stopped", "killed by SIGTERM: stopped: preempted")
     await wait_dead(started.pid, timeout=2)
     await wait_dead(child, timeout=2)
 
@@ -323,6 +323,95 @@ async def test_stopping_an_unknown_task_is_harmless(agent: ServiceProcess, bus: 
     assert exited.exit_code == 0
 
 
+# ---------------------------------------------------------------- timeouts
+
+
+async def test_a_step_that_outlives_its_timeout_is_stopped_with_cause_timeout(
+        agent: ServiceProcess, bus: Bus, watch: Watch, m27_home: Path) -> None:
+    cmd = start_cmd("sleep 300 & echo $! > child.pid; sleep 300", timeout_s=1.0,
+                    outputs=("never.txt",))
+    await send(bus, cmd)
+    started = await watch.wait_for(events.TaskStarted, of(cmd))
+    child = int(await wait_file(workdir(m27_home, cmd) / "child.pid"))
+    exited = await watch.wait_for(events.TaskExited, of(cmd))
+    assert exited.at - started.at >= 1.0
+    assert (exited.exit_code, exited.signal) == (128 + signal.SIGTERM, signal.SIGTERM)
+    assert (exited.cause, exited.reason) == ("timeout", "killed by SIGTERM: timed out after 1s")
+    assert exited.missing_outputs == ()  # a stopped step does not vouch for its outputs
+    await wait_dead(started.pid, timeout=2)
+    await wait_dead(child, timeout=2)
+    assert "task.timed_out" in Path(agent.log_path).read_text()
+
+
+async def test_a_step_that_ends_before_its_timeout_is_not_stopped_later(
+        agent: ServiceProcess, bus: Bus, watch: Watch) -> None:
+    cmd = start_cmd("true", timeout_s=1.0)
+    await send(bus, cmd)
+    exited = await watch.wait_for(events.TaskExited, of(cmd))
+    assert (exited.exit_code, exited.cause, exited.reason) == (0, "exit", "exit code 0")
+    assert exited.started_at is not None
+    marker = start_cmd("true", run_id=cmd.run_id, step="marker")
+    await asyncio.sleep(max(0.0, exited.started_at + 1.5 - time.time()))
+    await send(bus, marker)  # handled after the moment the timeout would have fired
+    await watch.wait_for(events.TaskExited, of(marker))
+    assert len(watch.all(events.TaskExited, of(cmd))) == 1
+    log = Path(agent.log_path).read_text()
+    assert "task.timed_out" not in log
+    assert "task.stopping" not in log
+
+
+async def test_a_stop_before_the_timeout_keeps_cause_stopped(
+        agent: ServiceProcess, bus: Bus, watch: Watch) -> None:
+    """The timeout fires during the stop's grace (the group ignores SIGTERM): it changes
+    neither the cause nor the grace."""
+    cmd = start_cmd("trap '' TERM; sleep 300 & wait", timeout_s=1.0)
+    await send(bus, cmd)
+    started = await watch.wait_for(events.TaskStarted, of(cmd))
+    await send(bus, events.StopTask(at=time.time(), task_id=cmd.task_id, attempt=1,
+                                    grace_s=1.5, reason="cancelled"))
+    exited = await watch.wait_for(events.TaskExited, of(cmd))
+    assert exited.at - started.at >= 1.5
+    assert (exited.signal, exited.cause) == (signal.SIGKILL, "stopped")
+    assert exited.reason == "killed by SIGKILL: stopped: cancelled (SIGKILL after 1.5s grace)"
+    assert "task.timed_out" not in Path(agent.log_path).read_text()
+    await wait_dead(started.pid, timeout=2)
+
+
+# ---------------------------------------------------------------- declared outputs
+
+
+async def test_outputs_that_a_successful_step_did_not_make_are_reported_missing(
+        agent: ServiceProcess, bus: Bus, watch: Watch) -> None:
+    cmd = start_cmd("echo x > made.txt; mkdir dir_out",
+                    outputs=("made.txt", "missing.txt", "dir_out"))
+    await send(bus, cmd)
+    exited = await watch.wait_for(events.TaskExited, of(cmd))
+    assert (exited.exit_code, exited.cause) == (0, "exit"), exited.stderr_tail
+    assert exited.missing_outputs == ("missing.txt",)
+
+
+async def test_outputs_are_looked_for_in_the_given_workdir_or_where_they_point(
+        agent: ServiceProcess, bus: Bus, watch: Watch, tmp_path: Path) -> None:
+    work, elsewhere = tmp_path / "work", tmp_path / "elsewhere"
+    work.mkdir()
+    elsewhere.mkdir()
+    made, gone = elsewhere / "abs.txt", elsewhere / "gone.txt"
+    cmd = start_cmd(f"mkdir -p out && touch out/rel.txt {made}", workdir=str(work),
+                    outputs=("out/rel.txt", str(made), "rel-gone.txt", str(gone)))
+    await send(bus, cmd)
+    exited = await watch.wait_for(events.TaskExited, of(cmd))
+    assert exited.exit_code == 0, exited.stderr_tail
+    assert exited.missing_outputs == ("rel-gone.txt", str(gone))
+
+
+async def test_a_failed_step_reports_no_missing_outputs(agent: ServiceProcess, bus: Bus,
+                                                        watch: Watch) -> None:
+    cmd = start_cmd("touch made.txt; exit 3", outputs=("made.txt", "missing.txt"))
+    await send(bus, cmd)
+    exited = await watch.wait_for(events.TaskExited, of(cmd))
+    assert (exited.exit_code, exited.cause, exited.missing_outputs) == (3, "exit", ())
+
+
 # ---------------------------------------------------------------- at most once
 
 
@@ -350,7 +439,8 @@ async def test_a_newer_attempt_replaces_one_still_running(agent: ServiceProcess,
     old = await watch.wait_for(events.TaskExited, of(first))
     new = await watch.wait_for(events.TaskExited, of(second))
     assert old.reason == "killed by SIGTERM: superseded by attempt 2"
-    assert new.exit_code == 0
+    assert old.cause == "superseded"
+    assert (new.exit_code, new.cause) == (0, "exit")
 
 
 # ---------------------------------------------------------------- the agent's own life
@@ -359,14 +449,21 @@ async def test_a_newer_attempt_replaces_one_still_running(agent: ServiceProcess,
 async def test_sigterm_stops_running_tasks_then_reports_the_node_stopped(
         agent: ServiceProcess, bus: Bus, watch: Watch) -> None:
     cmd = start_cmd("sleep 300")
-    await send(bus, cmd)
+    other = start_cmd("sleep 300", run_id=cmd.run_id, step="s2", timeout_s=300.0)
+    for command in (cmd, other):
+        await send(bus, command)
     started = await watch.wait_for(events.TaskStarted, of(cmd))
+    other_started = await watch.wait_for(events.TaskStarted, of(other))
     os.kill(agent.pid, signal.SIGTERM)
     exited = await watch.wait_for(events.TaskExited, of(cmd))
-    assert exited.signal == signal.SIGTERM
-    assert exited.reason == "killed by SIGTERM: node agent stopped"
+    other_exited = await watch.wait_for(events.TaskExited, of(other))
+    for event in (exited, other_exited):
+        assert (event.signal, event.cause) == (signal.SIGTERM, "node_stopped")
+        assert event.reason == "killed by SIGTERM: node agent stopped"
     stopped = await watch.wait_for(events.NodeStopped)
     assert watch.seen.index(exited) < watch.seen.index(stopped)
+    assert watch.seen.index(other_exited) < watch.seen.index(stopped)
+    await wait_dead(other_started.pid, timeout=2)
     found = await bus.kv_get(subjects.NODES_BUCKET, NODE, NodeInfo)
     assert found is not None
     assert found[0].state == "stopped"
@@ -387,6 +484,7 @@ async def test_a_restarted_agent_kills_and_reports_what_a_crashed_one_left_runni
     start_service("node_agent", *AGENT_ARGS, name="agent-2")
     exited = await watch.wait_for(events.TaskExited, of(cmd))
     assert (exited.exit_code, exited.signal) == (137, signal.SIGKILL)
+    assert exited.cause == "agent_restarted"
     assert "restarted" in exited.reason
     await wait_dead(started.pid, timeout=2)
     await wait_dead(child, timeout=2)

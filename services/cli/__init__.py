@@ -11,14 +11,16 @@ import sys
 from collections.abc import Sequence
 
 from m27 import __version__
-from m27.cli import _commands
+from m27.cli import _runs, _system
 from m27.common.errors import M27Error
 
 EPILOG = """\
 typical use:
   m27 up                       start NATS and every service on this machine
+  m27 plan pipeline.yaml       check a pipeline and see its plan (no system needed)
   m27 submit pipeline.yaml --var INPUT_FILE=data/1abc.pdb --watch
-  m27 runs                     recent runs
+  m27 runs --state failed      runs, newest first, filtered
+  m27 retry RUN                run again what did not succeed
   m27 demo                     run the bundled demo pipeline end to end
   m27 down                     stop everything (runs are kept)
 
@@ -39,7 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "embedded system started by `m27 up`)")
     parser.add_argument("--config", metavar="FILE", help="config file (default ~/.m2config)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    _commands.add_all(sub)
+    _system.add_commands(sub)
+    _runs.add_commands(sub)
     return parser
 
 

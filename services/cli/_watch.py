@@ -14,15 +14,16 @@ from typing import Final, TextIO
 
 from msgspec.structs import replace
 
-from m27.client import Client, RunEvent
+from m27.client import Client, ClientError, RunEvent
 from m27.common.model import TERMINAL_RUN_STATES, RunRecord, StepRecord, StepState
 from m27.common.units import format_duration
 
 SYMBOLS: Final[dict[str, str]] = {
     "pending": "·", "queued": "…", "running": "▶", "succeeded": "✔", "failed": "✘",
-    "cancelled": "■", "skipped": "↷",
+    "cancelled": "■", "skipped": "↷", "retrying": "↻",
 }
 EXIT_CODES: Final[dict[str, int]] = {"succeeded": 0, "failed": 1, "cancelled": 3}
+RECONNECTS: Final = 5
 
 
 def apply_event(run: RunRecord, event: RunEvent) -> RunRecord:
@@ -103,41 +104,66 @@ class _Screen:
 
 async def watch(client: Client, run_id: str, out: TextIO = sys.stdout,
                 live: bool | None = None) -> RunRecord:
-    """Follow the run until it ends; returns its last view."""
-    interactive = out.isatty() if live is None else live
-    screen = _Screen(out)
-    run: RunRecord | None = None
-    ticker: asyncio.Task[None] | None = None
+    """Follow the run until it ends (reconnecting after a dropped connection without
+    missing an event); returns its last view."""
+    view = _View(out, out.isatty() if live is None else live)
+    try:
+        for attempt in range(RECONNECTS + 1):
+            try:
+                async for item in client.watch(run_id, after_sequence=view.sequence):
+                    view.show(item)
+                break
+            except ClientError:
+                if view.run is None or attempt == RECONNECTS:
+                    raise
+                await asyncio.sleep(min(5.0, 0.5 * 2 ** attempt))
+    finally:
+        await view.close()
+    return await client.get_run(run_id)
 
-    async def tick() -> None:
+
+class _View:
+    """What the watcher has seen, drawn as a live table or as event lines."""
+
+    def __init__(self, out: TextIO, interactive: bool) -> None:
+        self.out = out
+        self.interactive = interactive
+        self.screen = _Screen(out)
+        self.run: RunRecord | None = None
+        self.sequence = 0
+        self.ticker: asyncio.Task[None] | None = None
+
+    def show(self, item: RunRecord | RunEvent) -> None:
+        if isinstance(item, RunRecord):
+            self.run = item
+            if not self.interactive:
+                print("\n".join(render_table(item, time.time())), file=self.out, flush=True)
+            elif self.ticker is None:
+                self.ticker = asyncio.create_task(self._tick())
+        elif self.run is not None:
+            self.sequence = max(self.sequence, item.sequence)
+            self.run = apply_event(self.run, item)
+            line = None if self.interactive else render_event_line(item)
+            if line:
+                print(line, file=self.out, flush=True)
+        if self.interactive and self.run is not None:
+            self.screen.draw(render_table(self.run, time.time()))
+
+    async def _tick(self) -> None:
         while True:
             await asyncio.sleep(1.0)
-            if run is not None:
-                screen.draw(render_table(run, time.time()))
+            if self.run is not None:
+                self.screen.draw(render_table(self.run, time.time()))
 
-    try:
-        async for item in client.watch(run_id):
-            if isinstance(item, RunRecord):
-                run = item
-                if not interactive:
-                    print("\n".join(render_table(run, time.time())), file=out, flush=True)
-                elif ticker is None:
-                    ticker = asyncio.create_task(tick())
-            elif run is not None:
-                run = apply_event(run, item)
-                if not interactive:
-                    line = render_event_line(item)
-                    if line:
-                        print(line, file=out, flush=True)
-            if interactive and run is not None:
-                screen.draw(render_table(run, time.time()))
-    finally:
-        if ticker is not None:
-            ticker.cancel()
+    async def close(self) -> None:
+        if self.ticker is not None:
+            self.ticker.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await ticker
-    assert run is not None, "the watch stream always starts with the run"
-    return await client.get_run(run_id)
+                await self.ticker
+
+
+def print_outcome(state: str, report_path: str) -> None:
+    print(f"run {state}" + (f"; report: {report_path}" if report_path else ""))
 
 
 def exit_code_for(run: RunRecord) -> int:

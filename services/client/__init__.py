@@ -10,7 +10,7 @@ gRPC errors become `ClientError` (or its subclasses) with a message a person can
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from types import TracebackType
 from typing import TypeVar
 
@@ -22,6 +22,7 @@ from m27.common import proto
 from m27.common.errors import M27Error, NotFoundError
 from m27.common.grpc_server import CLIENT_OPTIONS
 from m27.common.model import RunRecord, RunState, Urgency
+from m27.pipeline.plan import Plan
 from m27.v1 import pipeline_pb2 as pb
 from m27.v1 import pipeline_pb2_grpc as pb_grpc
 
@@ -66,6 +67,7 @@ class RunEvent(msgspec.Struct, frozen=True, kw_only=True):
     reason: str = ""
     report_path: str = ""
     final: bool = False
+    sequence: int = 0  # position in the events stream: resume a watch after it
 
 
 class Client:
@@ -99,12 +101,13 @@ class Client:
             raise ClientError(f"the m27 API at {self.address} is not serving yet")
 
     async def submit(self, pipeline_yaml: str, *, vars: Mapping[str, str] | None = None,
-                     user: str = "", urgency: Urgency = "normal", workdir: str = "",
-                     source_name: str = "") -> str:
-        """Submit a pipeline; returns the new run id."""
+                     user: str = "", urgency: Urgency | None = None, workdir: str = "",
+                     source_name: str = "", no_cache: bool = False) -> str:
+        """Submit a pipeline; returns the new run id. `urgency` None keeps the file's."""
         request = pb.SubmitPipelineRequest(
             pipeline_yaml=pipeline_yaml, vars=dict(vars or {}), user=user,
-            urgency=proto.urgency_to_proto(urgency), workdir=workdir, source_name=source_name)
+            urgency=proto.urgency_to_proto(urgency) if urgency else pb.URGENCY_UNSPECIFIED,
+            workdir=workdir, source_name=source_name, no_cache=no_cache)
         reply = await self._call(self._stub.SubmitPipeline, request)
         return str(reply.run_id)
 
@@ -112,24 +115,51 @@ class Client:
         reply = await self._call(self._stub.GetRun, pb.GetRunRequest(run_id=run_id))
         return proto.run_from_proto(reply)
 
-    async def list_runs(self, limit: int = 50) -> list[RunSummary]:
-        reply = await self._call(self._stub.ListRuns, pb.ListRunsRequest(limit=limit))
-        return [
+    async def list_runs(self, limit: int = 50, *, states: Sequence[RunState] = (),
+                        user: str = "", since: float = 0.0,
+                        page_token: str = "") -> tuple[list[RunSummary], str]:
+        """One page of runs, newest first, and the token of the next page ('' if last)."""
+        request = pb.ListRunsRequest(limit=limit, user=user, since=since,
+                                     page_token=page_token,
+                                     states=[proto.run_state_to_proto(s) for s in states])
+        reply = await self._call(self._stub.ListRuns, request)
+        runs = [
             RunSummary(run_id=r.run_id, name=r.name, user=r.user,
                        state=proto.run_state_from_proto(r.state), created_at=r.created_at,
                        ended_at=r.ended_at or None, steps_total=r.steps_total,
                        steps_succeeded=r.steps_succeeded, steps_failed=r.steps_failed)
             for r in reply.runs
         ]
+        return runs, str(reply.next_page_token)
 
-    async def cancel(self, run_id: str, reason: str = "") -> RunState:
+    async def cancel(self, run_id: str, reason: str = "", *, step: str = "") -> RunState:
+        """Cancel the run, or with `step` only that step (its dependents are skipped)."""
         reply = await self._call(self._stub.CancelRun,
-                                 pb.CancelRunRequest(run_id=run_id, reason=reason))
+                                 pb.CancelRunRequest(run_id=run_id, reason=reason, step=step))
         return proto.run_state_from_proto(reply.state)
 
-    async def watch(self, run_id: str) -> AsyncIterator[RunRecord | RunEvent]:
-        """The run as it is now, then each event until (and including) its final one."""
-        stream = self._stub.WatchRun(pb.WatchRunRequest(run_id=run_id))
+    async def retry(self, run_id: str) -> tuple[RunState, list[str]]:
+        """Rerun a finished run's steps that did not succeed: (new state, those steps)."""
+        reply = await self._call(self._stub.RetryRun, pb.RetryRunRequest(run_id=run_id))
+        return proto.run_state_from_proto(reply.state), list(reply.steps)
+
+    async def plan(self, pipeline_yaml: str, *, vars: Mapping[str, str] | None = None,
+                   source_name: str = "", workdir: str = "", no_cache: bool = False) -> Plan:
+        """The server's plan: with start estimates, cache reuse and capacity checks."""
+        request = pb.PlanPipelineRequest(pipeline_yaml=pipeline_yaml, vars=dict(vars or {}),
+                                         source_name=source_name, workdir=workdir,
+                                         no_cache=no_cache)
+        reply = await self._call(self._stub.PlanPipeline, request)
+        return msgspec.json.decode(reply.plan_json, type=Plan)
+
+    async def watch(self, run_id: str,
+                    after_sequence: int = 0) -> AsyncIterator[RunRecord | RunEvent]:
+        """The run as it is now, then each event until (and including) its final one.
+
+        With `after_sequence` (a RunEvent.sequence seen before) there is no snapshot: the
+        events after it, so a watcher that lost its connection misses nothing."""
+        stream = self._stub.WatchRun(pb.WatchRunRequest(run_id=run_id,
+                                                        after_sequence=after_sequence))
         try:
             async for item in stream:
                 if item.HasField("snapshot"):
@@ -173,5 +203,5 @@ def _event_from_proto(message: pb.RunEvent) -> RunEvent:
         node_id=message.node_id,
         exit_code=message.exit_code if message.HasField("exit_code") else None,
         reason=message.reason, report_path=message.report_path,
-        final=proto.is_final_event(message),
+        final=proto.is_final_event(message), sequence=message.sequence,
     )

@@ -45,6 +45,7 @@ PING_INTERVAL_S: Final = 5
 MAX_OUTSTANDING_PINGS: Final = 3
 RECONNECT_WAIT_S: Final = 0.5
 JS_TIMEOUT_S: Final = 10.0
+ACK_WAIT_S: Final = 5.0
 
 
 class PoisonMessage(Exception):
@@ -232,14 +233,16 @@ async def consume(
     filter_subject: str,
     handle: Handler,
     stop: asyncio.Event,
-    batch: int = 32,
-    ack_wait_s: float = 30.0,
+    batch: int = 8,
+    ack_wait_s: float = ACK_WAIT_S,
     deliver_new: bool = False,
 ) -> None:
     """Pull messages from a durable consumer until `stop` is set.
 
     Each message is acked after `handle` returns; PoisonMessage terminates it; any other
-    exception is logged and the message redelivered after a second.
+    exception is logged and the message redelivered after a second. The ack wait is short
+    (messages a crashed consumer had fetched come back within seconds); a handler that runs
+    longer keeps its message with in-progress acks.
     """
     config = ConsumerConfig(
         durable_name=durable,
@@ -269,7 +272,16 @@ async def consume(
             await sub.unsubscribe()
 
 
+async def _keep(msg: Msg) -> None:
+    """Tell JetStream the message is still being worked on, so it is not redelivered."""
+    while True:
+        await asyncio.sleep(ACK_WAIT_S / 2)
+        with contextlib.suppress(Exception):
+            await msg.in_progress()
+
+
 async def _handle_one(msg: Msg, handle: Handler, durable: str) -> None:
+    keeper = asyncio.create_task(_keep(msg))
     try:
         await handle(msg)
     except PoisonMessage as exc:
@@ -282,6 +294,8 @@ async def _handle_one(msg: Msg, handle: Handler, durable: str) -> None:
         with contextlib.suppress(Exception):
             await msg.nak(delay=1.0)
         return
+    finally:
+        keeper.cancel()
     await msg.ack()
 
 

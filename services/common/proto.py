@@ -57,6 +57,10 @@ def run_state_from_proto(value: pb.RunState.ValueType) -> RunState:
     return _RUN_STATE_FROM_PB[value]
 
 
+def run_state_to_proto(state: RunState) -> pb.RunState.ValueType:
+    return _RUN_STATE_TO_PB[state]
+
+
 def _time(value: float | None) -> float:
     return value or 0.0
 

@@ -9,11 +9,12 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-from collections.abc import Iterator, Mapping
+import stat
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import BinaryIO
 
-from m27.node_agent._tasks import decode_tail
+from m27.node_agent._tasks import decode_tail, output_path
 
 SHELL = "/bin/sh"
 
@@ -60,14 +61,42 @@ def signal_group(pgid: int, sig: int) -> bool:
 
 
 def read_tail(path: Path, max_bytes: int) -> str:
-    """The last `max_bytes` of a log file, decoded leniently ("" if it cannot be read)."""
+    """The last `max_bytes` of a log file, decoded leniently ("" if it cannot be read).
+
+    Opened non-blocking and read only if it is a regular file: a task may have replaced
+    its log with a FIFO, whose open or read would otherwise block the agent.
+    """
     try:
-        with path.open("rb") as file:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except (OSError, ValueError):
+        return ""
+    try:
+        with os.fdopen(fd, "rb") as file:
+            if not stat.S_ISREG(os.fstat(file.fileno()).st_mode):
+                return ""
             size = file.seek(0, os.SEEK_END)
             file.seek(max(0, size - max_bytes))
             return decode_tail(file.read(max_bytes), truncated=size > max_bytes)
     except OSError:
         return ""
+
+
+def missing_outputs(workdir: Path, outputs: Sequence[str]) -> tuple[str, ...]:
+    """The declared outputs (files or directories) that do not exist, in declared order.
+
+    Only stat()ed, never opened, so a FIFO or device among them cannot block. One that
+    cannot be stat()ed at all (no permission, name too long, NUL byte) counts as missing:
+    nothing after this step could read it either.
+    """
+    return tuple(o for o in outputs if not _exists(output_path(workdir, o)))
+
+
+def _exists(path: str) -> bool:
+    try:
+        os.stat(path)  # follows symlinks: a dangling one is not an output
+    except (OSError, ValueError):
+        return False
+    return True
 
 
 # ---------------------------------------------------------------- orphans of an earlier agent

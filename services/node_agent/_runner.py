@@ -25,36 +25,44 @@ from m27.common import subjects
 from m27.common.bus import Bus, PoisonMessage
 from m27.common.events import StartTask, StopTask, TaskExited, TaskStarted
 from m27.common.logging import bound_contextvars, get_logger
-from m27.common.model import ExitCause, ServiceInfo
+from m27.common.model import ServiceInfo
 from m27.node_agent import _ledger
 from m27.node_agent._gpus import Holding
 from m27.node_agent._process import (
     find_task_processes,
     kill_pids,
+    missing_outputs,
     read_tail,
     signal_group,
     spawn,
 )
 from m27.node_agent._tasks import (
-    NOT_STARTED_EXIT_CODE,
     STDERR_TAIL_BYTES,
     STDOUT_TAIL_BYTES,
+    Ending,
     NodeContext,
+    StopRequest,
     TaskPaths,
-    exit_reason,
-    exit_status,
+    ending,
     invalid_ids,
-    missing_outputs,
+    node_stopping,
+    not_started_exit,
     placement_problem,
-    stop_note,
+    stop_requested,
+    superseded_by,
     task_env,
     task_paths,
+    timed_out,
+    timeout_of,
 )
 
 log = get_logger()
 
 CHECKPOINT_STORE_SERVICE: Final = "checkpoint-store"
 RETRY_MAX_DELAY_S: Final = 5.0
+#: Checking declared outputs is a few stat() calls; a dead network mount must not keep the
+#: exit unreported forever (unchecked outputs then count as missing).
+OUTPUTS_CHECK_TIMEOUT_S: Final = 30.0
 TaskKey = tuple[str, int]
 
 
@@ -75,8 +83,7 @@ class RunningTask:
     process: asyncio.subprocess.Process
     started_at: float
     started_published: bool = False
-    stop_note: str | None = None
-    stop_cause: ExitCause | None = None
+    stop: StopRequest | None = None  # the first reason the agent stopped it, if it did
     killed_after_s: float | None = None
     publish_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     watcher: asyncio.Task[None] | None = None
@@ -154,8 +161,7 @@ class TaskRunner:
         """A newer attempt of a task still running here replaces the older one."""
         for task in list(self._tasks.values()):
             if task.cmd.task_id == cmd.task_id and task.alive:
-                self._terminate(task, f"superseded by attempt {cmd.attempt}",
-                                self._stop_grace_s, "superseded")
+                self._terminate(task, superseded_by(cmd.attempt), self._stop_grace_s)
 
     async def _launch(self, cmd: StartTask, paths: TaskPaths) -> RunningTask:
         problem = placement_problem(cmd, self._node.gpus)
@@ -177,8 +183,9 @@ class TaskRunner:
         _ledger.remember(self._seen, cmd.task_id, cmd.attempt)
         self._save_ledger()
         task.watcher = asyncio.create_task(self._watch(task), name=f"watch {cmd.task_id}")
-        if cmd.timeout_s:
-            task.escalations.append(asyncio.create_task(self._time_out(task, cmd.timeout_s)))
+        timeout_s = timeout_of(cmd)
+        if timeout_s is not None:  # cancelled with the escalations when the task exits
+            task.escalations.append(asyncio.create_task(self._time_out(task, timeout_s)))
         log.info("task.started", pid=process.pid, step=cmd.step, workdir=str(paths.workdir),
                  gpu_ids=list(cmd.gpu_ids), gpu_share=cmd.gpu_share,
                  gpu_backend=self._node.backend if cmd.gpu_ids else "none",
@@ -187,13 +194,7 @@ class TaskRunner:
 
     async def _report_not_started(self, cmd: StartTask, paths: TaskPaths, why: str) -> None:
         """TaskExited(started=False); the attempt counts as seen only once that is stored."""
-        event = TaskExited(
-            at=self._clock(), task_id=cmd.task_id, run_id=cmd.run_id, step=cmd.step,
-            attempt=cmd.attempt, node_id=self._node.node_id,
-            exit_code=NOT_STARTED_EXIT_CODE, started=False,
-            stdout_path=str(paths.stdout), stderr_path=str(paths.stderr),
-            reason=f"could not start: {why}", cause="not_started",
-        )
+        event = not_started_exit(cmd, self._node.node_id, paths, why, self._clock())
         log.warning("task.not_started", reason=event.reason)
         await self._bus.publish(subjects.task_events(cmd.run_id, cmd.step), event,
                                 msg_id=_msg_id(cmd, "exited"))
@@ -242,31 +243,44 @@ class TaskRunner:
     async def _report_exit(self, task: RunningTask) -> None:
         returncode = await task.process.wait()
         group_left = signal_group(task.process.pid, signal.SIGKILL)
-        for escalation in task.escalations:
+        for escalation in task.escalations:  # the timeout too: it must not fire any more
             escalation.cancel()
-        event = self._exited_event(task, returncode)
+        end = ending(returncode, task.stop, task.killed_after_s)
+        missing = await self._missing_outputs(task) if end.check_outputs else ()
+        event = self._exited_event(task, end, missing)
         log.info("task.exited", exit_code=event.exit_code, signal=event.signal,
-                 reason=event.reason, group_killed=group_left,
+                 cause=event.cause, reason=event.reason, group_killed=group_left,
+                 missing_outputs=list(event.missing_outputs),
                  duration_s=round(event.at - task.started_at, 3))
         await self._retrying("task exit", lambda: self._publish_exit(task, event))
         self._tasks.pop(task.key, None)
         self._save_ledger()
 
-    def _exited_event(self, task: RunningTask, returncode: int) -> TaskExited:
+    async def _missing_outputs(self, task: RunningTask) -> tuple[str, ...]:
+        """Checked off the event loop and bounded: a stat() can hang on a dead mount."""
+        outputs = task.cmd.outputs
+        if not outputs:
+            return ()
+        try:
+            return await asyncio.wait_for(
+                asyncio.to_thread(missing_outputs, task.paths.workdir, outputs),
+                OUTPUTS_CHECK_TIMEOUT_S)
+        except TimeoutError:
+            log.error("task.outputs_check_timed_out", timeout_s=OUTPUTS_CHECK_TIMEOUT_S,
+                      workdir=str(task.paths.workdir))
+            return tuple(outputs)
+
+    def _exited_event(self, task: RunningTask, end: Ending,
+                      missing: tuple[str, ...]) -> TaskExited:
         cmd = task.cmd
-        exit_code, sig = exit_status(returncode)
-        cause: ExitCause = task.stop_cause or "exit"
-        missing = (missing_outputs(task.paths.workdir, cmd.outputs)
-                   if exit_code == 0 and cause == "exit" else ())
         return TaskExited(
             at=self._clock(), task_id=cmd.task_id, run_id=cmd.run_id, step=cmd.step,
-            attempt=cmd.attempt, node_id=self._node.node_id, exit_code=exit_code,
-            signal=sig, started=True, started_at=task.started_at,
+            attempt=cmd.attempt, node_id=self._node.node_id, exit_code=end.exit_code,
+            signal=end.signal, started=True, started_at=task.started_at,
             stdout_tail=read_tail(task.paths.stdout, STDOUT_TAIL_BYTES),
             stderr_tail=read_tail(task.paths.stderr, STDERR_TAIL_BYTES),
             stdout_path=str(task.paths.stdout), stderr_path=str(task.paths.stderr),
-            reason=exit_reason(exit_code, sig, task.stop_note, task.killed_after_s),
-            cause=cause, missing_outputs=missing,
+            reason=end.reason, cause=end.cause, missing_outputs=missing,
         )
 
     async def _publish_exit(self, task: RunningTask, event: TaskExited) -> None:
@@ -297,15 +311,15 @@ class TaskRunner:
                 log.info("task.stop_ignored", reason=cmd.reason,
                          why="finished" if task else "not running here")
                 return
-            self._terminate(task, stop_note(cmd.reason), cmd.grace_s, "stopped")
+            self._terminate(task, stop_requested(cmd.reason), cmd.grace_s)
 
-    def _terminate(self, task: RunningTask, note: str, grace_s: float,
-                   cause: ExitCause) -> None:
-        if task.stop_note is None:
-            task.stop_note, task.stop_cause = note, cause
+    def _terminate(self, task: RunningTask, why: StopRequest, grace_s: float) -> None:
+        """SIGTERM the group now, SIGKILL it after `grace_s`; the first `why` is reported."""
+        if task.stop is None:
+            task.stop = why
         signalled = signal_group(task.process.pid, signal.SIGTERM)
         log.info("task.stopping", task_id=task.cmd.task_id, pid=task.process.pid,
-                 reason=note, grace_s=grace_s, signalled=signalled)
+                 reason=why.note, cause=why.cause, grace_s=grace_s, signalled=signalled)
         task.escalations.append(asyncio.create_task(self._escalate(task, grace_s)))
 
     async def _escalate(self, task: RunningTask, grace_s: float) -> None:
@@ -316,12 +330,15 @@ class TaskRunner:
             log.warning("task.killed_after_grace", task_id=task.cmd.task_id, grace_s=grace_s)
 
     async def _time_out(self, task: RunningTask, timeout_s: float) -> None:
-        """The step's `timeout:`: stopped like a StopTask, reported with cause timeout."""
+        """The step's `timeout:`: stopped like a StopTask, reported with cause timeout.
+
+        A task already being stopped (StopTask, superseded, shutdown) is left to that stop:
+        its cause and its grace stay as they are.
+        """
         await asyncio.sleep(timeout_s)
-        if task.alive:
+        if task.alive and task.stop is None:
             log.warning("task.timed_out", task_id=task.cmd.task_id, timeout_s=timeout_s)
-            self._terminate(task, f"timed out after {timeout_s:g}s", self._stop_grace_s,
-                            "timeout")
+            self._terminate(task, timed_out(timeout_s), self._stop_grace_s)
 
     async def stop_all(self, note: str, grace_s: float, report_timeout_s: float) -> int:
         """Stop every task and wait (bounded) until their exits are reported."""
@@ -329,7 +346,7 @@ class TaskRunner:
         tasks = list(self._tasks.values())
         for task in tasks:
             if task.alive:
-                self._terminate(task, note, grace_s, "node_stopped")
+                self._terminate(task, node_stopping(note), grace_s)
         watchers = [t.watcher for t in tasks if t.watcher is not None]
         if watchers:
             _done, pending = await asyncio.wait(watchers, timeout=grace_s + report_timeout_s)

@@ -6,15 +6,17 @@ The agent's shell (`_agent`, `_process`) applies these; tests drive them directl
 
 from __future__ import annotations
 
+import math
+import os
 import signal as signals
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
-from m27.common.events import StartTask
+from m27.common.events import StartTask, TaskExited
 from m27.common.ids import is_valid_name
-from m27.common.model import GpuBackend, GpuInfo
+from m27.common.model import ExitCause, GpuBackend, GpuInfo
 from m27.common.paths import run_dir
 from m27.node_agent._gpus import gpu_memory_mb, per_gpu_share
 
@@ -80,6 +82,14 @@ def invalid_ids(cmd: StartTask) -> str | None:
     if cmd.attempt < 0:
         return f"invalid attempt {cmd.attempt}"
     return None
+
+
+def timeout_of(cmd: StartTask) -> float | None:
+    """The seconds after which the agent stops the task, or None: no (usable) timeout."""
+    limit = cmd.timeout_s
+    if limit is None or not math.isfinite(limit) or limit <= 0:
+        return None  # the pipeline allows only > 0; anything else must not kill at once
+    return limit
 
 
 def placement_problem(cmd: StartTask, gpus: Sequence[GpuInfo]) -> str | None:
@@ -169,6 +179,75 @@ def stop_note(reason: str) -> str:
     return f"stopped: {reason}" if reason else "stopped"
 
 
+@dataclass(frozen=True, slots=True)
+class StopRequest:
+    """Why the agent stops a task. Only the first one counts: it is what the exit reports."""
+
+    cause: ExitCause
+    note: str
+
+
+def stop_requested(reason: str) -> StopRequest:
+    """A StopTask (the scheduler cancels or preempts the task)."""
+    return StopRequest("stopped", stop_note(reason))
+
+
+def superseded_by(attempt: int) -> StopRequest:
+    return StopRequest("superseded", f"superseded by attempt {attempt}")
+
+
+def timed_out(timeout_s: float) -> StopRequest:
+    return StopRequest("timeout", f"timed out after {timeout_s:g}s")
+
+
+def node_stopping(note: str) -> StopRequest:
+    return StopRequest("node_stopped", note)
+
+
+@dataclass(frozen=True, slots=True)
+class Ending:
+    """How a started task's end is reported (the TaskExited fields the agent decides)."""
+
+    exit_code: int
+    signal: int | None
+    cause: ExitCause
+    reason: str
+    check_outputs: bool  # only a program that ended by itself with 0 vouches for its outputs
+
+
+def ending(returncode: int, stop: StopRequest | None,
+           killed_after_s: float | None = None) -> Ending:
+    """The end of a task whose main process returned `returncode`, stopped by `stop` if set.
+
+    A stopped task keeps its stop's cause even if it then exits 0 by itself: it did not
+    run to its end.
+    """
+    exit_code, sig = exit_status(returncode)
+    cause: ExitCause = stop.cause if stop is not None else "exit"
+    reason = exit_reason(exit_code, sig, stop.note if stop is not None else None,
+                         killed_after_s)
+    return Ending(exit_code=exit_code, signal=sig, cause=cause, reason=reason,
+                  check_outputs=exit_code == 0 and cause == "exit")
+
+
+def not_started_exit(cmd: StartTask, node_id: str, paths: TaskPaths, why: str,
+                     now: float) -> TaskExited:
+    """The TaskExited of a task that could not be started at all."""
+    return TaskExited(
+        at=now, task_id=cmd.task_id, run_id=cmd.run_id, step=cmd.step, attempt=cmd.attempt,
+        node_id=node_id, exit_code=NOT_STARTED_EXIT_CODE, started=False,
+        stdout_path=str(paths.stdout), stderr_path=str(paths.stderr),
+        reason=f"could not start: {why}", cause="not_started",
+    )
+
+
+def output_path(workdir: Path, output: str) -> str:
+    """Where a declared output is: an absolute path as given, a relative one under the
+    task's workdir (its cwd). Joined as text, not normalised: `..` and a trailing `/`
+    (a directory) mean to the OS what they meant to the task."""
+    return os.path.join(workdir, output)  # joining an absolute path yields that path
+
+
 def decode_tail(data: bytes, truncated: bool) -> str:
     """Lenient UTF-8; a tail cut inside a character loses that character, not the line."""
     if truncated:
@@ -178,7 +257,3 @@ def decode_tail(data: bytes, truncated: bool) -> str:
         data = data[skip:]
     return data.decode("utf-8", "replace")
 
-
-def missing_outputs(workdir: Path, outputs: Sequence[str]) -> tuple[str, ...]:
-    """Declared outputs (files or directories, relative to the workdir) that do not exist."""
-    return tuple(o for o in outputs if not (workdir / o).exists())

@@ -1,13 +1,14 @@
 """Reusing the results of identical earlier steps, like Nextflow's `-resume`.
 
 A step's cache key is the hash of what determines its results: its resolved command, type,
-resources, environment, working directory, declared outputs, and the *content* of its
-declared inputs. Only steps that declare outputs are reused — those are what a later step
-consumes, and they are checked (same content as recorded) before a hit counts; a step that
-declares none always runs. List the scripts a step runs under `inputs:` so that editing
-them invalidates the cache. Reuse needs the run's working directory (so outputs are where
-the pipeline expects them) and, for hashing, the orchestrator must see the files (true on
-one machine and on a shared filesystem); otherwise the step simply runs.
+resources, environment, working directory, declared outputs, the *content* of its declared
+inputs and of the outputs of the steps it depends on. Only steps that declare outputs are
+reused — those are what a later step consumes, and they are checked (same content as
+recorded) before a hit counts; a step that declares none always runs. List the scripts a
+step runs under `inputs:` so that editing them invalidates the cache. Reuse needs the run's
+working directory (so outputs are where the pipeline expects them) and, for hashing, the
+orchestrator must see the files (true on one machine and on a shared filesystem);
+otherwise the step simply runs.
 
 `cache_key` and `verdict` are pure; `Cache` does the file hashing (in a thread) and keeps
 entries in the KV bucket `m27_cache`.
@@ -169,11 +170,29 @@ class Cache:
             raise NotCacheable(why)
         digests: dict[str, str] = {}
         for path in (absolute(run, step, i) for i in step.inputs):
-            try:
-                digests[path] = self._digests.of(path)
-            except OSError as exc:
-                raise NotCacheable(f"input {path} cannot be read: {exc.strerror}") from exc
+            digests[path] = self._readable(path, "input")
+        for name in step.depends_on:
+            digests.update(self._upstream(run, name))
         return cache_key(run, step, digests)
+
+    def _readable(self, path: str, what: str) -> str:
+        try:
+            return self._digests.of(path)
+        except OSError as exc:
+            raise NotCacheable(f"{what} {path} cannot be read: {exc.strerror}") from exc
+
+    def _upstream(self, run: RunRecord, name: str) -> dict[str, str]:
+        """What a dependency contributes to the key: the content of its outputs (a step
+        reads what the steps before it made), else who ran it — so a step after one that
+        ran again without declaring outputs is never mistaken for an earlier one."""
+        dep = run.step(name)
+        if dep is None:
+            return {}
+        if dep.outputs:
+            return {f"after {name}: {p}": self._readable(p, f"{name}'s output")
+                    for p in (absolute(run, dep, o) for o in dep.outputs)}
+        who = dep.cache_key if dep.cached_from else f"{run.run_id}/{name}#{dep.attempt}"
+        return {f"after {name}": who}
 
     async def store(self, run: RunRecord, step: StepRecord, now: float) -> None:
         """Remember a step that succeeded by running, if it is reusable."""

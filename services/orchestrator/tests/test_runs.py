@@ -190,3 +190,159 @@ def test_report_path_is_recorded_once() -> None:
     assert updated is not None
     assert updated.run.report_path == "/r/x.html"
     assert runs.record_report(updated, ready) is None
+
+
+RETRYING = """\
+pipeline:
+  - name: flaky
+    command: x
+    retries: {failure: 2, infrastructure: 1, backoff: {initial: 10s, factor: 3, max: 60s}}
+  - {name: after, command: y, depends_on: [flaky]}
+"""
+
+
+def exit_as(stored: runs.StoredRun, step: str, now: float, code: int | None,
+            cause: str = "exit") -> runs.StoredRun:
+    stored, _ = flush(started(stored, step, now))
+    return exited(stored, step, code, now + 1, cause=cause)  # type: ignore[arg-type]
+
+
+def test_program_failures_are_retried_with_growing_backoff_then_fail() -> None:
+    stored, _ = flush(start(RETRYING))
+    stored, sent = flush(exit_as(stored, "flaky", 101, 3))
+    flaky = stored.run.step("flaky")
+    assert flaky is not None
+    assert (flaky.state, flaky.attempt, flaky.failures) == ("retrying", 2, 1)
+    assert "failure retry 1 of 2 in 10s" in flaky.reason
+    (again,) = [m for m in sent if isinstance(m, events.EnqueueTask)]
+    assert (again.attempt, again.not_before) == (2, 102 + 10)
+    stored, sent = flush(exit_as(stored, "flaky", 120, 3))
+    (again,) = [m for m in sent if isinstance(m, events.EnqueueTask)]
+    assert again.not_before == 121 + 30
+    stored, _ = flush(exit_as(stored, "flaky", 160, 3))
+    flaky = stored.run.step("flaky")
+    assert flaky is not None
+    assert flaky.state == "failed"
+    assert flaky.reason == "exit code 3 (after 2 retries)"
+    assert [a.attempt for a in flaky.history] == [1, 2, 3]
+    assert stored.run.state == "failed"
+
+
+def test_infrastructure_losses_have_their_own_budget() -> None:
+    stored, _ = flush(start(RETRYING))
+    stored, _ = flush(exit_as(stored, "flaky", 101, None, cause="lost"))
+    flaky = stored.run.step("flaky")
+    assert flaky is not None
+    assert (flaky.state, flaky.infra_failures, flaky.failures) == ("retrying", 1, 0)
+    assert "infrastructure retry 1 of 1" in flaky.reason
+    stored, _ = flush(exit_as(stored, "flaky", 120, 2))
+    flaky = stored.run.step("flaky")
+    assert flaky is not None
+    assert (flaky.state, flaky.failures) == ("retrying", 1)
+    stored, _ = flush(exit_as(stored, "flaky", 150, None, cause="node_stopped"))
+    flaky = stored.run.step("flaky")
+    assert flaky is not None
+    assert flaky.state == "failed"
+
+
+def test_a_retried_step_that_succeeds_releases_its_dependents() -> None:
+    stored, _ = flush(start(RETRYING))
+    stored, _ = flush(exit_as(stored, "flaky", 101, 1))
+    stored, sent = flush(exit_as(stored, "flaky", 120, 0))
+    assert states(stored) == {"flaky": "succeeded", "after": "queued"}
+    assert [m.step for m in sent if isinstance(m, events.EnqueueTask)] == ["after"]
+
+
+def test_missing_outputs_and_timeouts_are_program_failures() -> None:
+    text = "pipeline:\n  - {name: a, command: x, output: o.txt}\n"
+    stored, _ = flush(start(text))
+    stored, _ = flush(started(stored, "a", 101))
+    done = events.TaskExited(at=102, task_id=task_id(RUN, "a"), run_id=RUN, step="a",
+                             attempt=1, node_id="n1", exit_code=0, missing_outputs=("o.txt",))
+    failed = runs.apply_task_event(stored, done, 102)
+    assert failed is not None
+    step = failed.run.step("a")
+    assert step is not None
+    assert (step.state, step.reason) == ("failed", "declared output(s) missing: o.txt")
+    stored, _ = flush(start(text))
+    stored = exit_as(stored, "a", 101, 143, cause="timeout")
+    step = stored.run.step("a")
+    assert step is not None
+    assert step.state == "failed"
+
+
+SWEEP = """\
+pipeline:
+  - name: t
+    matrix: {i: [1, 2, 3, 4, 5]}
+    max_parallel: 2
+    command: x
+"""
+
+
+def test_a_sweep_runs_at_most_max_parallel_members_at_once() -> None:
+    stored, sent = flush(start(SWEEP))
+    queued = [m.step for m in sent if isinstance(m, events.EnqueueTask)]
+    assert queued == ["t-i1", "t-i2"]
+    stored, _ = flush(started(stored, "t-i1", 101))
+    stored, sent = flush(exited(stored, "t-i1", 0, 102))
+    assert [m.step for m in sent if isinstance(m, events.EnqueueTask)] == ["t-i3"]
+    assert sum(s.state in {"queued", "running"} for s in stored.run.steps) == 2
+
+
+def test_cancelling_one_step_skips_its_dependents_and_the_rest_goes_on() -> None:
+    stored, _ = flush(start())
+    stored, _ = flush(started(stored, "prep", 101))
+    cancelled = runs.request_cancel_step(stored, "prep", "wrong input", 102)
+    assert cancelled is not None
+    stored, sent = flush(cancelled)
+    assert [m.task_id for m in sent if isinstance(m, events.CancelTask)] == [
+        task_id(RUN, "prep")]
+    stored, _ = flush(exited(stored, "prep", 143, 103, signal=15))
+    assert states(stored) == {"prep": "cancelled", "train": "skipped", "analysis": "skipped",
+                              "other": "queued"}
+    assert runs.request_cancel_step(stored, "prep", "again", 104) is None
+    stored, _ = flush(started(stored, "other", 104))
+    stored, _ = flush(exited(stored, "other", 0, 105))
+    assert stored.run.state == "cancelled"
+
+
+def test_retry_run_reruns_only_what_did_not_succeed() -> None:
+    stored, _ = flush(start())
+    for name, code in (("prep", 0), ("other", 4)):
+        stored, _ = flush(started(stored, name, 101))
+        stored, _ = flush(exited(stored, name, code, 102))
+    for name in ("train", "analysis"):
+        stored, _ = flush(started(stored, name, 103))
+        stored, _ = flush(exited(stored, name, 0 if name == "train" else 9, 104))
+    assert stored.run.state == "failed"
+    retried = runs.retry_run(stored, 200)
+    assert not isinstance(retried, str)
+    stored, sent = flush(retried)
+    assert states(stored) == {"prep": "succeeded", "train": "succeeded",
+                              "other": "queued", "analysis": "queued"}
+    enqueued = {m.step: m.attempt for m in sent if isinstance(m, events.EnqueueTask)}
+    assert enqueued == {"other": 2, "analysis": 2}
+    assert stored.run.state == "running"
+    assert isinstance(runs.retry_run(stored, 201), str)
+
+
+def test_cache_lookup_decides_between_reuse_and_running() -> None:
+    text = "pipeline:\n  - {name: a, command: x, output: o}\n  - {name: b, command: y, " \
+           "depends_on: [a], output: p}\n"
+    stored, sent = flush(start(text, use_cache=True))
+    assert not [m for m in sent if isinstance(m, events.EnqueueTask)]
+    assert runs.pending_cache_lookups(stored) == ["a"]
+    hit = runs.CacheHit(task_id="r-20261130-000000-000000/a", outputs=("/w/o",))
+    reused = runs.resolve_cache(stored, "a", "k1", hit, 101)
+    assert reused is not None
+    stored, sent = flush(reused)
+    a = stored.run.step("a")
+    assert a is not None
+    assert (a.state, a.cached_from, a.cache_key) == ("succeeded", hit.task_id, "k1")
+    assert runs.pending_cache_lookups(stored) == ["b"]
+    missed = runs.resolve_cache(stored, "b", "k2", None, 102)
+    assert missed is not None
+    stored, sent = flush(missed)
+    assert [m.step for m in sent if isinstance(m, events.EnqueueTask)] == ["b"]
+    assert runs.resolve_cache(stored, "b", "k2", None, 103) is None
