@@ -5,10 +5,11 @@ from __future__ import annotations
 import math
 import re
 
-_DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?|\.\d+)\s*(ms|s|m|h|d)?\s*$", re.IGNORECASE)
+# ASCII digits only: `\d` would take any Unicode digit.
+_DURATION_RE = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?|\.[0-9]+)\s*(ms|s|m|h|d)?\s*", re.IGNORECASE)
 _DURATION_FACTORS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGTP]?i?B?)?\s*$", re.IGNORECASE)
+_SIZE_RE = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*(?:([KMGTP])(i)?)?(B)?\s*", re.IGNORECASE)
 _SIZE_POWERS = {"": 0, "K": 1, "M": 2, "G": 3, "T": 4, "P": 5}
 
 
@@ -22,7 +23,7 @@ def parse_duration(text: str | int | float) -> float:
     if isinstance(text, int | float):
         value = float(text)
     else:
-        match = _DURATION_RE.match(text)
+        match = _DURATION_RE.fullmatch(text)
         if not match:
             raise ValueError(f"expected a duration such as 300s, 5m or 1h, got {text!r}")
         unit = (match.group(2) or "s").lower()
@@ -41,13 +42,11 @@ def parse_size(text: str | int) -> int:
         if text < 0:
             raise ValueError(f"expected a non-negative size, got {text!r}")
         return text
-    match = _SIZE_RE.match(text)
-    if not match:
+    match = _SIZE_RE.fullmatch(text)
+    if not match or (match.group(3) and not match.group(2)):
         raise ValueError(f"expected a size such as 128KB or 8GiB, got {text!r}")
-    unit = (match.group(2) or "").upper().replace("I", "").replace("B", "")
-    if unit not in _SIZE_POWERS:
-        raise ValueError(f"unknown size unit in {text!r}; use B, KB, MB, GB, TB or KiB, MiB, GiB")
-    return int(float(match.group(1)) * 1024 ** _SIZE_POWERS[unit])
+    power = _SIZE_POWERS[(match.group(2) or "").upper()]
+    return int(float(match.group(1)) * 1024 ** power)
 
 
 def format_duration(seconds: float) -> str:

@@ -25,6 +25,8 @@ RETRY_KEYS: Final = ("failure", "infrastructure", "backoff")
 BACKOFF_KEYS: Final = ("initial", "factor", "max")
 MAX_STEP_TEMPLATES: Final = 5000
 MAX_MATRIX_VALUES: Final = 1000
+MAX_LABEL: Final = 200
+CONTROL_RE: Final = re.compile("[\x00-\x1f\x7f-\x9f]")
 IDENTIFIER_RE: Final = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 RESERVED_ENV: Final = ("M27_", "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER")
 
@@ -81,7 +83,7 @@ class DocumentReader(Reader):
         top = self.mapping(root, "", TOP_KEYS, "a pipeline")
         doc = RawDocument(name=default_name)
         if "name" in top:
-            doc.name = self.string(top["name"], "name") or default_name
+            doc.name = self._label(top["name"]) or default_name
         if "vars" in top:
             doc.declared_vars = True
             self._vars(top["vars"], doc)
@@ -95,6 +97,15 @@ class DocumentReader(Reader):
             return doc
         doc.steps = self._steps(top["pipeline"])
         return doc
+
+    def _label(self, node: yaml.Node) -> str | None:
+        """The pipeline's name: a label for people (reports, `m27 runs`), so printable."""
+        name = self.string(node, "name")
+        if name is not None and (len(name) > MAX_LABEL or CONTROL_RE.search(name)):
+            self.problem(node, "name", f"the pipeline name must be text of at most "
+                         f"{MAX_LABEL} characters, without control characters")
+            return None
+        return name
 
     def _urgency(self, node: yaml.Node, path: str) -> Urgency | None:
         value = self.choice(node, path, URGENCIES, "priority")
@@ -266,7 +277,11 @@ class DocumentReader(Reader):
     def _matrix(self, fields: dict[str, yaml.Node], step: RawStep) -> None:
         path = step.path
         if "matrix" in fields:
-            for key, values in self.pairs(fields["matrix"], f"{path}.matrix", "matrix axes"):
+            axes = self.pairs(fields["matrix"], f"{path}.matrix", "matrix axes")
+            if not axes and isinstance(fields["matrix"], yaml.MappingNode):
+                self.problem(fields["matrix"], f"{path}.matrix", "a matrix needs an axis",
+                             "e.g. matrix: {seed: [1, 2, 3]}")
+            for key, values in axes:
                 if not IDENTIFIER_RE.fullmatch(key):
                     self.problem(values, f"{path}.matrix.{key}", f"invalid axis name {key!r}")
                     continue
@@ -283,7 +298,7 @@ class DocumentReader(Reader):
         if "max_parallel" in fields:
             step.max_parallel = self.integer(fields["max_parallel"], f"{path}.max_parallel",
                                              1, 100_000)
-            if "matrix" not in fields:
+            if not step.matrix:
                 self.problem(fields["max_parallel"], f"{path}.max_parallel",
                              "max_parallel limits a matrix step's members",
                              "add a `matrix:` or remove it")

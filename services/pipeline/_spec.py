@@ -171,7 +171,7 @@ def _link(raws: list[RawStep], drafts: list[_Draft], members: dict[str, list[str
                                 for raw in raws}
     resolved: dict[int, tuple[str, ...]] = {}
     for raw in raws:
-        deps: list[str] = []
+        deps: list[str] = []  # duplicates dropped below, keeping the first
         for name, node in raw.depends_on:
             if name in own[raw.name]:
                 problems.append(problem_at(node, f"{raw.path}.depends_on",
@@ -182,8 +182,8 @@ def _link(raws: list[RawStep], drafts: list[_Draft], members: dict[str, list[str
                                            did_you_mean(name, [r.name for r in raws])
                                            or f"steps are: {', '.join(r.name for r in raws)}"))
             else:
-                deps.extend(m for m in members[name] if m not in deps)
-        resolved[raw.index] = tuple(deps)
+                deps.extend(members[name])
+        resolved[raw.index] = tuple(dict.fromkeys(deps))
     for draft in drafts:
         draft.depends_on = resolved.get(draft.raw.index, ())
 
@@ -255,12 +255,13 @@ def _build(order: Sequence[_Draft], doc: RawDocument, values: dict[str, str],
     kinds = {raw.index: _kind(raw, share, problems) for raw in doc.steps}
     sweeps = {raw.name: len(members[raw.name]) for raw in doc.steps if raw.matrix}
     graph = {d.name: d.depends_on for d in order}
+    names = [r.name for r in doc.steps]
     referable: dict[str, list[str]] = {}  # step or sweep → output paths, as steps are built
     steps: list[StepRecord] = []
     for draft in order:
         raw = draft.raw
         scope = Scope(variables=values, matrix=draft.matrix, outputs=referable,
-                      members=sweeps, all_steps=[r.name for r in doc.steps],
+                      members=sweeps, all_steps=names,
                       declared_vars=doc.declared_vars,
                       reaches=_reach(graph, draft.name, members))
         step = _step(draft, kinds[raw.index], scope, doc, urgency, problems)
@@ -277,12 +278,16 @@ def _reach(graph: Mapping[str, Sequence[str]], start: str,
     """Whether `start` depends, directly or not, on a step (or on every member of a sweep).
     Computed only when a placeholder asks: most steps never refer to others."""
     found: set[str] | None = None
+    direct = set(graph[start])
 
     def reaches(name: str) -> bool:
         nonlocal found
+        wanted = members.get(name, [name])
+        if all(m in direct for m in wanted):
+            return True  # the usual case, without walking the whole graph
         if found is None:
             found = dag.ancestors(graph, start)
-        return all(m in found for m in members.get(name, [name]))
+        return all(m in found for m in wanted)
 
     return reaches
 
@@ -295,6 +300,9 @@ def _step(draft: _Draft, kind: tuple[StepType, Resources], scope: Scope, doc: Ra
         return Renderer(scope, node, f"{raw.path}.{path}", problems)
 
     command = renderer(raw.command_node, "command").shell(raw.command)
+    if "\x00" in command:
+        problems.append(problem_at(raw.command_node, f"{raw.path}.command",
+                                   "the command contains a NUL byte"))
     if len(command.encode("utf-8", "surrogatepass")) > MAX_COMMAND_BYTES:
         problems.append(problem_at(raw.command_node, f"{raw.path}.command",
                                    f"the command is longer than {MAX_COMMAND_BYTES // 1024} KiB"))

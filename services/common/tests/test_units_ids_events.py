@@ -21,7 +21,7 @@ def test_parse_duration(text: str | int, seconds: float) -> None:
     assert parse_duration(text) == pytest.approx(seconds)
 
 
-@pytest.mark.parametrize("text", ["", "5 minutes", "-1s", "1w", "abc", "nan"])
+@pytest.mark.parametrize("text", ["", "5 minutes", "-1s", "1w", "abc", "nan", "\u0665m"])
 def test_parse_duration_rejects(text: str) -> None:
     with pytest.raises(ValueError, match="duration"):
         parse_duration(text)
@@ -35,7 +35,7 @@ def test_parse_size(text: str, size: int) -> None:
     assert parse_size(text) == size
 
 
-@pytest.mark.parametrize("text", ["", "big", "1XB", "-5"])
+@pytest.mark.parametrize("text", ["", "big", "1XB", "-5", "8i", "8ib", "\u0665MB", "1KiBB"])
 def test_parse_size_rejects(text: str) -> None:
     with pytest.raises(ValueError, match="size"):
         parse_size(text)

@@ -263,3 +263,24 @@ def test_a_long_chain_is_not_a_recursion_problem() -> None:
         f"  - {{name: s{i}, command: x, depends_on: [s{i - 1}]}}" for i in range(1, 3000)]
     spec = load_pipeline("\n".join(lines) + "\n")
     assert spec.steps[-1].name == "s2999"
+
+
+@pytest.mark.parametrize(("field", "expected"), [
+    ("resources: {cpus: 017}", None),  # YAML 1.1 octal: 15
+    ("retries: 2:30", "expected a number from 0 to 100, got 150"),  # sexagesimal
+    ("resources: {cpus: 1.0}", "expected a whole number"),
+    ("resources: {gpus: 0x1}", None),
+    ("resources: {gpus: .nan}", "expected a number"),
+    ("timeout: 1.0e+3", None),
+    ("resources: {gpu_memory: 0x10, gpus: 1}", None),
+    ("command: \"a\\0b\"", "the command contains a NUL byte"),
+    ("matrix: {}", "a matrix needs an axis"),
+])
+def test_odd_yaml_numbers_are_read_as_yaml_reads_them(field: str, expected: str | None) -> None:
+    text = f"pipeline:\n  - name: a\n    command: x\n    {field}\n"
+    if "command:" in field:
+        text = f"pipeline:\n  - name: a\n    {field}\n"
+    if expected is None:
+        assert load_pipeline(text).steps
+    else:
+        one(problems_of(text), expected)
