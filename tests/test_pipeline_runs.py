@@ -123,6 +123,10 @@ async def test_identical_steps_reuse_earlier_results_until_an_input_changes(
     assert (tmp_path / "prep.log").read_text() == "ran\n"
     plan = await client.plan(REUSABLE, workdir=str(tmp_path))
     assert [s.reuse for s in plan.steps] == [f"{first.run_id}/prep", f"{first.run_id}/train"]
+    assert all(s.estimated_s is not None and s.estimated_s >= 0 for s in plan.steps)
+    assert plan.steps[0].start_after_s == 0.0
+    assert plan.steps[1].start_after_s == plan.steps[0].estimated_s
+    assert "earlier run" in plan.estimate_basis
     (tmp_path / "input.txt").write_text("v2")
     third = await finished(client, await client.submit(REUSABLE, workdir=str(tmp_path)))
     assert [s.cached_from for s in third.steps] == ["", ""]
