@@ -227,8 +227,9 @@ def _step_basics() -> dict[str, JSON]:
         "command": {"description": "A shell command, run by `/bin/sh -c` in the run's "
                                    "working directory. `{{NAME}}`, `{{matrix.KEY}}` and "
                                    "`{{steps.STEP.output(s)}}` are filled in, quoted as data. "
-                                   "At most 64 KiB once filled in.",
-                    "anyOf": [{"type": "string", "pattern": r"\S"},
+                                   "At most 64 KiB once filled in, no NUL bytes.",
+                    "anyOf": [{"type": "string", "allOf": [{"pattern": r"\S"},
+                                                           {"pattern": r"^[^\u0000]*$"}]},
                               {"type": ["number", "boolean"]}]},
         "depends_on": _ref("names", "Steps (or whole sweeps, or one member of a sweep) "
                            "that must succeed before this one starts."),

@@ -2,28 +2,16 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from m27.pipeline import MAX_PIPELINE_BYTES, PipelineError, load_pipeline
 
-SEED = """\
-pipeline:
-  - name: preprocessing
-    type: cpu
-    command: python prepare_pdb.py --input {{INPUT_FILE}}
-    output: /tmp/preprocessed.pdb
-  - name: md_simulation
-    type: gpu
-    depends_on: [preprocessing]
-    checkpoint: 300s        # save incremental state every 5 minutes
-    command: gmx mdrun -deffnm simulation -v
-  - name: analysis
-    type: gpu_light
-    depends_on: [md_simulation]
-    command: python analyze_trajectory.py
-"""
+# The seed example of the mission brief, exactly as users write it.
+SEED = (Path(__file__).parent / "seed.yaml").read_text()
 
 
 def problems_of(text: str, variables: dict[str, str] | None = None) -> list[str]:

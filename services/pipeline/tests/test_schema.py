@@ -21,22 +21,8 @@ from m27.pipeline import PipelineError, _document, load_pipeline, schema
 COMMITTED = Path(__file__).resolve().parents[3] / "docs" / "pipeline.schema.json"
 VALIDATOR = Draft202012Validator(schema.pipeline_schema())
 
-SEED = """\
-pipeline:
-  - name: preprocessing
-    type: cpu
-    command: python prepare_pdb.py --input {{INPUT_FILE}}
-    output: /tmp/preprocessed.pdb
-  - name: md_simulation
-    type: gpu
-    depends_on: [preprocessing]
-    checkpoint: 300s        # save incremental state every 5 minutes
-    command: gmx mdrun -deffnm simulation -v
-  - name: analysis
-    type: gpu_light
-    depends_on: [md_simulation]
-    command: python analyze_trajectory.py
-"""
+# The seed example of the mission brief, exactly as users write it.
+SEED = (Path(__file__).parent / "seed.yaml").read_text()
 
 FULL = """\
 # yaml-language-server: $schema=../docs/pipeline.schema.json
@@ -374,7 +360,7 @@ _matrix = st.dictionaries(_identifiers, _axis, min_size=1, max_size=2)
 @st.composite
 def _step(draw: st.DrawFn, name: object) -> dict[str, object]:
     step: dict[str, object] = {"name": name, "command": draw(_texts.filter(
-        lambda v: not isinstance(v, str) or v.strip() != ""))}
+        lambda v: not isinstance(v, str) or (v.strip() != "" and "\x00" not in v)))}
     step.update(draw(_kind()))
     step.update(draw(st.fixed_dictionaries({}, optional={
         "outputs": _many,
