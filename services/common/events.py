@@ -8,7 +8,7 @@ Schema evolution: new fields get defaults; existing fields never change meaning.
 
 from __future__ import annotations
 
-from typing import Final
+from typing import Final, Literal
 
 import msgspec
 
@@ -21,6 +21,7 @@ from m27.common.model import (
     RunState,
     StepState,
     StepType,
+    TaskHolding,
     Urgency,
 )
 
@@ -123,6 +124,46 @@ class TaskExited(_Message, frozen=True, tag="task_exited"):
     reason: str = ""
     cause: ExitCause = "exit"
     missing_outputs: tuple[str, ...] = ()
+    energy_j: float | None = None  # its share of its GPUs' energy while it ran
+
+
+class TaskIdle(_Message, frozen=True, tag="task_idle"):
+    """A running task leaves its GPU share idle (I/O wait): capacity others could use."""
+
+    task_id: str
+    run_id: str
+    step: str
+    attempt: int
+    node_id: str
+    gpu_ids: tuple[int, ...]
+    idle_share: float  # of each listed GPU
+    utilization_pct: float
+    reason: str  # "gpu_idle" (N samples under the threshold) or "io_phase" (reported)
+
+
+class TaskBusy(_Message, frozen=True, tag="task_busy"):
+    """A task that was idle uses its GPU share again."""
+
+    task_id: str
+    run_id: str
+    step: str
+    attempt: int
+    node_id: str
+    utilization_pct: float
+
+
+class TaskOverShare(_Message, frozen=True, tag="task_over_share"):
+    """A task uses more GPU memory than its share; `action` says what the agent did."""
+
+    task_id: str
+    run_id: str
+    step: str
+    attempt: int
+    node_id: str
+    gpu_index: int
+    used_mb: int
+    limit_mb: int
+    action: Literal["warned", "stopped"]
 
 
 # ---------------------------------------------------------------- events: nodes
@@ -143,6 +184,20 @@ class NodeHeartbeat(_Message, frozen=True, tag="node_heartbeat"):
     backend: GpuBackend
     gpus: tuple[GpuSample, ...] = ()
     running: tuple[str, ...] = ()
+    incarnation: str = ""
+    seq: int = 0  # sent only after renewal `seq` of the node's lease was stored
+    tasks: tuple[TaskHolding, ...] = ()
+
+
+class GpuMemoryLeak(_Message, frozen=True, tag="gpu_memory_leak"):
+    """GPU memory still held after its task ended (by its processes or orphans of it)."""
+
+    node_id: str
+    gpu_index: int
+    task_id: str
+    pids: tuple[int, ...]
+    memory_mb: int
+    cleaned: bool  # the processes were ours, the task was over: they were killed
 
 
 class NodeStopped(_Message, frozen=True, tag="node_stopped"):
@@ -167,6 +222,10 @@ Event = (
     | TaskPlaced
     | TaskStarted
     | TaskExited
+    | TaskIdle
+    | TaskBusy
+    | TaskOverShare
+    | GpuMemoryLeak
     | NodeRegistered
     | NodeHeartbeat
     | NodeStopped
@@ -197,6 +256,7 @@ class EnqueueTask(_Message, frozen=True, tag="enqueue_task"):
     outputs: tuple[str, ...] = ()
     preemptible: bool = False
     not_before: float = 0.0  # a retry's backoff: not to be started before this time
+    checkpoint_signal: str = "SIGUSR1"
 
 
 class CancelTask(_Message, frozen=True, tag="cancel_task"):
@@ -224,6 +284,9 @@ class StartTask(_Message, frozen=True, tag="start_task"):
     checkpoint_interval_s: float | None = None
     timeout_s: float | None = None  # the agent stops the task after this long
     outputs: tuple[str, ...] = ()  # declared outputs, checked after a zero exit
+    checkpoint_signal: str = "SIGUSR1"  # sent for checkpoint requests and each interval
+    cpus: int = 1
+    memory_mb: int = 0
 
 
 class StopTask(_Message, frozen=True, tag="stop_task"):
@@ -235,8 +298,32 @@ class StopTask(_Message, frozen=True, tag="stop_task"):
     reason: str = ""
 
 
+class CheckpointTask(_Message, frozen=True, tag="checkpoint_task"):
+    """Ask a running task to checkpoint now (its `checkpoint_signal`, SIGUSR1 by default)."""
+
+    task_id: str
+    attempt: int
+    reason: str = ""
+
+
+class PauseTask(_Message, frozen=True, tag="pause_task"):
+    """SIGSTOP the task's process group (backfill yields to the main task)."""
+
+    task_id: str
+    attempt: int
+    reason: str = ""
+
+
+class ResumeTask(_Message, frozen=True, tag="resume_task"):
+    """SIGCONT a paused task's process group."""
+
+    task_id: str
+    attempt: int
+    reason: str = ""
+
+
 SchedulerCommand = EnqueueTask | CancelTask
-NodeCommand = StartTask | StopTask
+NodeCommand = StartTask | StopTask | CheckpointTask | PauseTask | ResumeTask
 Command = SchedulerCommand | NodeCommand
 Message = Event | Command
 

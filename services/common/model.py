@@ -18,12 +18,12 @@ RunState = Literal["queued", "running", "succeeded", "failed", "cancelled"]
 Urgency = Literal["low", "normal", "high", "urgent"]
 GpuBackend = Literal["nvml", "simulated", "none"]
 ExitCause = Literal[
-    "exit", "not_started", "timeout", "stopped", "superseded",
-    "node_stopped", "agent_restarted", "lost", "preempted",
+    "exit", "not_started", "timeout", "stopped", "superseded", "over_share",
+    "node_stopped", "agent_restarted", "lost", "preempted", "fenced",
 ]
 #: Ends that are the infrastructure's fault, not the program's: retried separately.
 INFRASTRUCTURE_CAUSES: Final[frozenset[str]] = frozenset(
-    {"node_stopped", "agent_restarted", "lost", "preempted"}
+    {"node_stopped", "agent_restarted", "lost", "preempted", "fenced"}
 )
 
 STEP_TYPES: Final[tuple[StepType, ...]] = ("cpu", "gpu", "gpu_light")
@@ -119,6 +119,8 @@ class StepRecord(msgspec.Struct, frozen=True, kw_only=True):
     cache_pending: bool = False  # released, waiting for the cache lookup
     cached_from: str = ""  # `<run_id>/<step>` whose results this step reused
     cancel_requested: bool = False  # `m27 cancel RUN --step NAME`
+    checkpoint_signal: str = "SIGUSR1"  # what asks the step to checkpoint now
+    energy_j: float | None = None  # GPU energy of its attempts (its share of each GPU)
 
     @property
     def output(self) -> str | None:
@@ -160,14 +162,50 @@ class GpuInfo(msgspec.Struct, frozen=True, kw_only=True):
     simulated: bool
 
 
+class GpuProcess(msgspec.Struct, frozen=True, kw_only=True):
+    """A process holding memory on a GPU, and the task it belongs to ('' if none of ours)."""
+
+    pid: int
+    memory_mb: int
+    task_id: str = ""
+    attempt: int = 0
+
+
 class GpuSample(msgspec.Struct, frozen=True, kw_only=True):
-    """One reading of one GPU (every heartbeat)."""
+    """One reading of one GPU (every heartbeat). `simulated` readings are modelled from what
+    the node's tasks do, not measured on hardware."""
 
     index: int
     utilization_pct: float
     memory_used_mb: int
     temperature_c: float
     power_w: float | None = None
+    memory_total_mb: int = 0
+    power_limit_w: float | None = None
+    throttle: tuple[str, ...] = ()  # "thermal", "power" (clocks held down, and why)
+    energy_j: float | None = None  # total since the driver loaded (NVML) or the agent started
+    processes: tuple[GpuProcess, ...] = ()
+    simulated: bool = False
+
+
+class TaskHolding(msgspec.Struct, frozen=True, kw_only=True):
+    """What a running task holds on its node, as the node reports it."""
+
+    task_id: str
+    attempt: int
+    gpu_ids: tuple[int, ...] = ()
+    gpu_share: float = 0.0
+    paused: bool = False
+
+
+class Fence(msgspec.Struct, frozen=True, kw_only=True):
+    """The current assignment of a task: only this attempt, on this node, may run it or
+    write its checkpoints. Written by the scheduler with compare-and-set, attempts only grow."""
+
+    task_id: str
+    attempt: int
+    node_id: str
+    at: float
 
 
 class NodeInfo(msgspec.Struct, frozen=True, kw_only=True):
@@ -183,6 +221,13 @@ class NodeInfo(msgspec.Struct, frozen=True, kw_only=True):
     state: Literal["up", "stopped"] = "up"
     pid: int = 0
     version: str = ""
+    incarnation: str = ""  # new for every agent start
+    seq: int = 0  # renewal number within the incarnation
+    samples: tuple[GpuSample, ...] = ()  # the latest telemetry
+    holdings: tuple[TaskHolding, ...] = ()
+    cgroups: bool = False  # CPU/memory limits enforced through cgroup v2
+    mps: bool = False  # a CUDA MPS daemon shares the GPUs
+    metrics_address: str = ""  # Prometheus /metrics, host:port
 
 
 class ServiceInfo(msgspec.Struct, frozen=True, kw_only=True):

@@ -106,7 +106,7 @@ def step_to_proto(step: StepRecord) -> pb.Step:
         history=[_attempt_to_proto(a) for a in step.history], cached_from=step.cached_from,
         urgency=_URGENCY_TO_PB[step.urgency], preemptible=step.preemptible,
         timeout_s=step.timeout_s or 0.0, workdir=step.workdir,
-        resources=_resources_to_proto(step.resources),
+        resources=_resources_to_proto(step.resources), energy_j=step.energy_j or 0.0,
     )
     if step.exit_code is not None:
         message.exit_code = step.exit_code
@@ -136,6 +136,7 @@ def step_from_proto(message: pb.Step) -> StepRecord:
         resources=Resources(gpus=r.gpus, cpus=r.cpus or 1, gpu_memory_mb=r.gpu_memory_mb,
                             memory_mb=r.memory_mb),
         stdout_path=message.stdout_path, stderr_path=message.stderr_path,
+        energy_j=message.energy_j or None,
     )
 
 

@@ -120,6 +120,7 @@ TASKS_BUCKET: Final = "m27_tasks"
 SERVICES_BUCKET: Final = "m27_services"
 CHECKPOINTS_BUCKET: Final = "m27_checkpoints"
 CACHE_BUCKET: Final = "m27_cache"
+FENCES_BUCKET: Final = "m27_fences"
 
 
 class BucketSpec(msgspec.Struct, frozen=True, kw_only=True):
@@ -143,6 +144,11 @@ BUCKETS: Final[tuple[BucketSpec, ...]] = (
         description="Scheduler: queued and placed tasks (key: run_id.step).",
     ),
     BucketSpec(name=SERVICES_BUCKET, description="service.instance → gRPC address, pid, host."),
+    BucketSpec(
+        name=FENCES_BUCKET,
+        description="Scheduler: run_id.step → the attempt (and node) allowed to run a task "
+        "and write its checkpoints; compare-and-set, attempts only grow.",
+    ),
     BucketSpec(
         name=CACHE_BUCKET,
         description="Orchestrator: step cache key → the earlier step and its output digests.",

@@ -128,10 +128,18 @@ class NodeAgent:
 
     async def handle(self, msg: Msg) -> None:
         command = decode_or_poison(msg.data, events.decode_node_command)
-        if isinstance(command, events.StartTask):
-            await self.runner.start(command)
-        else:
-            self.runner.stop(command)
+        match command:
+            case events.StartTask():
+                await self.runner.start(command)
+            case events.StopTask():
+                self.runner.stop(command)
+            case events.CheckpointTask():
+                self.runner.request_checkpoint(command.task_id, command.attempt,
+                                               command.reason)
+            case events.PauseTask():
+                self.runner.pause(command.task_id, command.attempt, command.reason)
+            case events.ResumeTask():
+                self.runner.resume(command.task_id, command.attempt, command.reason)
 
     # ------------------------------------------------------------ shutdown
 

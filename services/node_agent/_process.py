@@ -48,6 +48,11 @@ def _open_logs(cwd: Path, stdout: Path, stderr: Path) -> tuple[BinaryIO, BinaryI
         raise
 
 
+def signal_by_name(name: str) -> signal.Signals:
+    """`SIGUSR1` → the signal; SIGUSR1 for a name this system does not know."""
+    return getattr(signal.Signals, name, signal.SIGUSR1)
+
+
 def signal_group(pgid: int, sig: int) -> bool:
     """Send `sig` to a whole process group; False when the group is already gone."""
     try:

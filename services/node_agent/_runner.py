@@ -33,6 +33,7 @@ from m27.node_agent._process import (
     kill_pids,
     missing_outputs,
     read_tail,
+    signal_by_name,
     signal_group,
     spawn,
 )
@@ -83,6 +84,7 @@ class RunningTask:
     process: asyncio.subprocess.Process
     started_at: float
     started_published: bool = False
+    paused: bool = False
     stop: StopRequest | None = None  # the first reason the agent stopped it, if it did
     killed_after_s: float | None = None
     publish_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -183,6 +185,9 @@ class TaskRunner:
         _ledger.remember(self._seen, cmd.task_id, cmd.attempt)
         self._save_ledger()
         task.watcher = asyncio.create_task(self._watch(task), name=f"watch {cmd.task_id}")
+        if cmd.checkpoint_interval_s:
+            task.escalations.append(asyncio.create_task(
+                self._checkpoint_every(task, cmd.checkpoint_interval_s)))
         timeout_s = timeout_of(cmd)
         if timeout_s is not None:  # cancelled with the escalations when the task exits
             task.escalations.append(asyncio.create_task(self._time_out(task, timeout_s)))
@@ -302,6 +307,45 @@ class TaskRunner:
             delay = min(delay * 2, RETRY_MAX_DELAY_S)
 
     # ------------------------------------------------------------ StopTask and shutdown
+
+    async def _checkpoint_every(self, task: RunningTask, interval_s: float) -> None:
+        """The step's `checkpoint:` interval, delivered as periodic checkpoint requests."""
+        while task.alive:
+            await asyncio.sleep(interval_s)
+            if task.alive:
+                self.request_checkpoint(task.cmd.task_id, task.cmd.attempt, "interval")
+
+    def request_checkpoint(self, task_id: str, attempt: int, reason: str) -> bool:
+        """Send the task its checkpoint signal (the step's `checkpoint_signal`)."""
+        task = self._tasks.get((task_id, attempt))
+        if task is None or not task.alive:
+            log.info("task.checkpoint_ignored", task_id=task_id, attempt=attempt,
+                     why="not running here")
+            return False
+        sig = signal_by_name(task.cmd.checkpoint_signal)
+        if task.paused:
+            return False  # a stopped process cannot act on it; asked again after resume
+        sent = signal_group(task.process.pid, sig)
+        log.info("task.checkpoint_requested", task_id=task_id, signal=sig.name, reason=reason,
+                 sent=sent)
+        return sent
+
+    def pause(self, task_id: str, attempt: int, reason: str) -> bool:
+        """SIGSTOP the whole group: the task keeps its memory but uses no CPU or GPU time."""
+        return self._set_paused(task_id, attempt, True, reason)
+
+    def resume(self, task_id: str, attempt: int, reason: str) -> bool:
+        return self._set_paused(task_id, attempt, False, reason)
+
+    def _set_paused(self, task_id: str, attempt: int, paused: bool, reason: str) -> bool:
+        task = self._tasks.get((task_id, attempt))
+        if task is None or not task.alive or task.paused == paused:
+            return False
+        sent = signal_group(task.process.pid, signal.SIGSTOP if paused else signal.SIGCONT)
+        task.paused = paused and sent
+        log.info("task.paused" if paused else "task.resumed", task_id=task_id, reason=reason,
+                 sent=sent)
+        return sent
 
     def stop(self, cmd: StopTask) -> None:
         """SIGTERM the task's process group now, SIGKILL it after `grace_s`."""

@@ -171,7 +171,8 @@ def _enqueue(run: RunRecord, step: StepRecord, now: float,
         urgency=step.urgency, user=run.user, command=step.command,
         workdir=step_workdir(run, step), env=dict(step.env),
         checkpoint_interval_s=step.checkpoint_interval_s, timeout_s=step.timeout_s,
-        outputs=step.outputs, preemptible=step.preemptible, not_before=not_before)
+        outputs=step.outputs, preemptible=step.preemptible, not_before=not_before,
+        checkpoint_signal=step.checkpoint_signal)
 
 
 def resolve_cache(stored: StoredRun, name: str, key: str, hit: CacheHit | None,

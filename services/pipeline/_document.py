@@ -19,13 +19,16 @@ from m27.pipeline._yaml import NULL, Reader, kind
 TOP_KEYS: Final = ("name", "vars", "priority", "preemptible", "pipeline")
 STEP_KEYS: Final = ("name", "type", "command", "depends_on", "output", "outputs", "inputs",
                     "checkpoint", "resources", "priority", "preemptible", "retries",
-                    "timeout", "env", "workdir", "matrix", "max_parallel")
+                    "timeout", "env", "workdir", "matrix", "max_parallel",
+                    "checkpoint_signal")
 RESOURCE_KEYS: Final = ("gpus", "gpu_memory", "cpus", "memory")
 RETRY_KEYS: Final = ("failure", "infrastructure", "backoff")
 BACKOFF_KEYS: Final = ("initial", "factor", "max")
 MAX_STEP_TEMPLATES: Final = 5000
 MAX_MATRIX_VALUES: Final = 1000
 MAX_LABEL: Final = 200
+#: Signals a step may ask to get for "checkpoint now" (never one that stops it).
+CHECKPOINT_SIGNALS: Final = ("SIGUSR1", "SIGUSR2", "SIGHUP", "SIGINT", "SIGWINCH")
 CONTROL_RE: Final = re.compile("[\x00-\x1f\x7f-\x9f]")
 IDENTIFIER_RE: Final = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 RESERVED_ENV: Final = ("M27_", "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER")
@@ -61,6 +64,7 @@ class RawStep:
     workdir: Located | None = None
     matrix: list[tuple[str, list[str]]] = field(default_factory=list)
     max_parallel: int | None = None
+    checkpoint_signal: str = "SIGUSR1"
 
     @property
     def path(self) -> str:
@@ -199,6 +203,10 @@ class DocumentReader(Reader):
             step.urgency = self._urgency(fields["priority"], f"{path}.priority")
         if "preemptible" in fields:
             step.preemptible = self.boolean(fields["preemptible"], f"{path}.preemptible")
+        if "checkpoint_signal" in fields:
+            signal_name = self.choice(fields["checkpoint_signal"], f"{path}.checkpoint_signal",
+                                      CHECKPOINT_SIGNALS, "signal")
+            step.checkpoint_signal = signal_name or step.checkpoint_signal
         if "workdir" in fields:
             workdir = self.string(fields["workdir"], f"{path}.workdir")
             step.workdir = (workdir, fields["workdir"]) if workdir else None

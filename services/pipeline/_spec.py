@@ -317,4 +317,5 @@ def _step(draft: _Draft, kind: tuple[StepType, Resources], scope: Scope, doc: Ra
         else bool(doc.preemptible),
         retry=raw.retry, timeout_s=raw.timeout_s,
         env={k: renderer(n, f"env.{k}").raw(raw.env_values[k]) for k, n in raw.env},
-        workdir=workdir, group=raw.name if raw.matrix else "", matrix=draft.matrix)
+        workdir=workdir, group=raw.name if raw.matrix else "", matrix=draft.matrix,
+        checkpoint_signal=raw.checkpoint_signal)

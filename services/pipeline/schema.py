@@ -264,6 +264,10 @@ def _step_runtime() -> dict[str, JSON]:
         "max_parallel": {"description": "At most this many members of the sweep run at "
                                         "once (needs `matrix`).",
                          "type": "integer", "minimum": 1, "maximum": MAX_PARALLEL_MAX},
+        "checkpoint_signal": {"description": "The signal that asks the step to checkpoint "
+                                             "now: on request and every `checkpoint` "
+                                             "interval. Default SIGUSR1.",
+                              "type": "string", "enum": list(_document.CHECKPOINT_SIGNALS)},
     }
 
 

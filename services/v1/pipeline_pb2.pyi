@@ -675,6 +675,7 @@ class Step(_message.Message):
     TIMEOUT_S_FIELD_NUMBER: _builtins.int
     WORKDIR_FIELD_NUMBER: _builtins.int
     RESOURCES_FIELD_NUMBER: _builtins.int
+    ENERGY_J_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     type: Global___StepType.ValueType
     state: Global___StepState.ValueType
@@ -706,6 +707,10 @@ class Step(_message.Message):
     preemptible: _builtins.bool
     timeout_s: _builtins.float
     workdir: _builtins.str
+    energy_j: _builtins.float
+    """GPU energy of the step's attempts: its share of each GPU's energy while it ran
+    (measured through NVML, or modelled on simulated GPUs). 0 when unknown.
+    """
     @_builtins.property
     def depends_on(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     @_builtins.property
@@ -756,10 +761,11 @@ class Step(_message.Message):
         timeout_s: _builtins.float = ...,
         workdir: _builtins.str = ...,
         resources: Global___Resources | None = ...,
+        energy_j: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_exit_code", b"_exit_code", "exit_code", b"exit_code", "resources", b"resources"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_exit_code", b"_exit_code", "attempt", b"attempt", "cached_from", b"cached_from", "command", b"command", "depends_on", b"depends_on", "ended_at", b"ended_at", "exit_code", b"exit_code", "failures", b"failures", "gpu_ids", b"gpu_ids", "gpu_share", b"gpu_share", "gpu_simulated", b"gpu_simulated", "group", b"group", "history", b"history", "infra_failures", b"infra_failures", "inputs", b"inputs", "matrix", b"matrix", "name", b"name", "node_id", b"node_id", "output", b"output", "outputs", b"outputs", "preemptible", b"preemptible", "queued_at", b"queued_at", "reason", b"reason", "resources", b"resources", "started_at", b"started_at", "state", b"state", "stderr_path", b"stderr_path", "stderr_tail", b"stderr_tail", "stdout_path", b"stdout_path", "stdout_tail", b"stdout_tail", "timeout_s", b"timeout_s", "type", b"type", "urgency", b"urgency", "workdir", b"workdir"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_exit_code", b"_exit_code", "attempt", b"attempt", "cached_from", b"cached_from", "command", b"command", "depends_on", b"depends_on", "ended_at", b"ended_at", "energy_j", b"energy_j", "exit_code", b"exit_code", "failures", b"failures", "gpu_ids", b"gpu_ids", "gpu_share", b"gpu_share", "gpu_simulated", b"gpu_simulated", "group", b"group", "history", b"history", "infra_failures", b"infra_failures", "inputs", b"inputs", "matrix", b"matrix", "name", b"name", "node_id", b"node_id", "output", b"output", "outputs", b"outputs", "preemptible", b"preemptible", "queued_at", b"queued_at", "reason", b"reason", "resources", b"resources", "started_at", b"started_at", "state", b"state", "stderr_path", b"stderr_path", "stderr_tail", b"stderr_tail", "stdout_path", b"stdout_path", "stdout_tail", b"stdout_tail", "timeout_s", b"timeout_s", "type", b"type", "urgency", b"urgency", "workdir", b"workdir"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__exit_code: _TypeAlias = _typing.Literal["exit_code"]  # noqa: Y015
     _WhichOneofArgType__exit_code: _TypeAlias = _typing.Literal["_exit_code", b"_exit_code"]  # noqa: Y015
@@ -814,7 +820,9 @@ class Attempt(_message.Message):
     ended_at: _builtins.float
     exit_code: _builtins.int
     cause: _builtins.str
-    """exit, not_started, timeout, stopped, node_stopped, agent_restarted, lost, preempted"""
+    """exit, not_started, timeout, stopped, superseded, over_share, node_stopped,
+    agent_restarted, lost, preempted, fenced
+    """
     reason: _builtins.str
     def __init__(
         self,

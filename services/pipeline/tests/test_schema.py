@@ -54,6 +54,7 @@ pipeline:
     retries: {failure: 1, infrastructure: 5, backoff: {initial: 30s, factor: 1.5, max: 10m}}
     matrix: {temperature: [300, 310], seed: [1, 2]}
     max_parallel: 2
+    checkpoint_signal: SIGUSR2
   - name: analysis
     type: gpu_light
     depends_on: md
