@@ -17,13 +17,15 @@ def service_log(proc: ServiceProcess) -> str:
 class Cluster:
     """A whole m27 on loopback: nats-server plus the five services as real processes."""
 
-    def __init__(self, root: Path, nodes: int = 1, gpus: str = "sim:2") -> None:
+    def __init__(self, root: Path, nodes: int = 1, gpus: str = "sim:2",
+                 env: dict[str, str] | None = None) -> None:
         self.root = root
         self.home = root / "home"
         self.home.mkdir(parents=True, exist_ok=True)
         config = root / "m2config"
         config.write_text("")
-        self.env = {**os.environ, "M27_HOME": str(self.home), "M27_CONFIG": str(config)}
+        self.env = {**os.environ, "M27_HOME": str(self.home), "M27_CONFIG": str(config),
+                    **(env or {})}
         self.nats = NatsServer(root / "nats")
         self.nodes = nodes
         self.gpus = gpus
@@ -63,3 +65,87 @@ class Cluster:
         stop(list(self.processes.values()))
         self.nats.stop()
 
+
+
+class TcpProxy:
+    """A TCP forwarder the test controls, to cut a process off from NATS and reconnect it.
+
+    `cut()` closes every forwarded connection and refuses new ones (accepts and closes them)
+    until `heal()`. Runs its own event loop in a thread, so it keeps working whatever the
+    test's loop is doing."""
+
+    def __init__(self, target_host: str, target_port: int) -> None:
+        import asyncio
+        import threading
+
+        self.target = (target_host, target_port)
+        self.cut_off = False
+        self._writers: set[asyncio.StreamWriter] = set()
+        self._loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self.port = 0
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+        self._ready.wait(10)
+
+    @property
+    def url(self) -> str:
+        return f"nats://127.0.0.1:{self.port}"
+
+    def _serve(self) -> None:
+        import asyncio
+
+        asyncio.set_event_loop(self._loop)
+
+        async def start() -> None:
+            server = await asyncio.start_server(self._client, "127.0.0.1", 0)
+            self.port = server.sockets[0].getsockname()[1]
+            self._ready.set()
+
+        self._loop.run_until_complete(start())
+        self._loop.run_forever()
+
+    async def _client(self, reader: object, writer: object) -> None:
+        import asyncio
+
+        assert isinstance(reader, asyncio.StreamReader)
+        assert isinstance(writer, asyncio.StreamWriter)
+        if self.cut_off:
+            writer.close()
+            return
+        try:
+            up_reader, up_writer = await asyncio.open_connection(*self.target)
+        except OSError:
+            writer.close()
+            return
+        self._writers.update({writer, up_writer})
+        await asyncio.gather(self._pipe(reader, up_writer), self._pipe(up_reader, writer),
+                             return_exceptions=True)
+
+    async def _pipe(self, reader: object, writer: object) -> None:
+        import asyncio
+
+        assert isinstance(reader, asyncio.StreamReader)
+        assert isinstance(writer, asyncio.StreamWriter)
+        try:
+            while not self.cut_off and (data := await reader.read(65536)):
+                writer.write(data)
+                await writer.drain()
+        finally:
+            writer.close()
+            self._writers.discard(writer)
+
+    def cut(self) -> None:
+        def close_all() -> None:
+            self.cut_off = True
+            for writer in list(self._writers):
+                writer.close()
+        self._loop.call_soon_threadsafe(close_all)
+
+    def heal(self) -> None:
+        self._loop.call_soon_threadsafe(setattr, self, "cut_off", False)
+
+    def close(self) -> None:
+        self.cut()
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(5)

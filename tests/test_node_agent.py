@@ -22,7 +22,7 @@ from nats.aio.msg import Msg
 from m27.common import events, subjects
 from m27.common.bus import Bus
 from m27.common.ids import new_run_id, task_id
-from m27.common.model import NodeInfo
+from m27.common.model import Fence, NodeInfo
 from m27.embedded.nats_server import pid_alive
 from m27.embedded.processes import ServiceProcess
 
@@ -101,8 +101,21 @@ def start_cmd(command: str = "true", *, run_id: str | None = None, step: str = "
     return events.StartTask(**fields)
 
 
-async def send(bus: Bus, command: events.NodeCommand) -> None:
+async def send(bus: Bus, command: events.NodeCommand, *, fence: bool = True) -> None:
+    """Publish a command as the scheduler does: a start comes with its fencing token."""
+    if isinstance(command, events.StartTask) and fence:
+        await assign(bus, command.task_id, command.attempt, NODE)
     await bus.publish(subjects.node_commands(NODE), command)
+
+
+async def assign(bus: Bus, task: str, attempt: int, node: str) -> None:
+    """As the scheduler assigns: the fencing token's attempt only grows."""
+    def grow(current: Fence | None) -> Fence | None:
+        if current is not None and current.attempt >= attempt:
+            return None
+        return Fence(task_id=task, attempt=attempt, node_id=node, at=time.time())
+
+    await bus.kv_update(subjects.FENCES_BUCKET, subjects.task_key(task), Fence, grow)
 
 
 def workdir(home: Path, cmd: events.StartTask) -> Path:
@@ -175,17 +188,86 @@ async def test_heartbeats_arrive_every_interval_and_refresh_the_node_record(
     assert found[0].last_heartbeat >= first.at
 
 
-async def test_heartbeats_show_the_load_of_a_running_gpu_task(agent: ServiceProcess, bus: Bus,
-                                                              watch: Watch) -> None:
-    cmd = start_cmd("sleep 300", step_type="gpu_light", gpu_ids=(1,), gpu_share=0.5)
-    await send(bus, cmd)
-    beat = await watch.wait_for(events.NodeHeartbeat, lambda h: cmd.task_id in h.running)
-    assert beat.gpus[1].utilization_pct == 50.0
-    assert beat.gpus[1].memory_used_mb == 8192
-    assert beat.gpus[0].utilization_pct == 0.0
-    await send(bus, events.StopTask(at=time.time(), task_id=cmd.task_id, attempt=1, grace_s=2))
-    await watch.wait_for(events.TaskExited, of(cmd))
+BUSY = '"$M27_PYTHON" -c "while True: pass"'
+
+
+async def test_simulated_gpus_show_what_their_tasks_do(agent: ServiceProcess, bus: Bus,
+                                                       watch: Watch) -> None:
+    """A busy task's share shows as utilization, a sleeping one's as idle; memory is the
+    task's resident memory — all marked simulated."""
+    busy = start_cmd(BUSY, step_type="gpu_light", gpu_ids=(1,), gpu_share=0.5)
+    idle = start_cmd("sleep 300", run_id=busy.run_id, step="idle", step_type="gpu_light",
+                     gpu_ids=(0,), gpu_share=0.5)
+    for cmd in (busy, idle):
+        await send(bus, cmd)
+    beat = await watch.wait_for(
+        events.NodeHeartbeat,
+        lambda h: {busy.task_id, idle.task_id} <= set(h.running) and h.gpus[1].utilization_pct
+        > 35, timeout=20)
+    assert beat.gpus[1].utilization_pct <= 50.5
+    assert beat.gpus[0].utilization_pct < 5
+    assert all(g.simulated for g in beat.gpus)
+    assert beat.gpus[1].memory_used_mb > 0
+    assert {p.task_id for p in beat.gpus[1].processes} == {busy.task_id}
+    went_idle = await watch.wait_for(events.TaskIdle, of(idle), timeout=20)
+    assert (went_idle.reason, went_idle.idle_share, went_idle.gpu_ids) == ("gpu_idle", 0.5,
+                                                                           (0,))
+    assert not watch.all(events.TaskIdle, of(busy))
+    for cmd in (busy, idle):
+        await send(bus, events.StopTask(at=time.time(), task_id=cmd.task_id, attempt=1,
+                                        grace_s=2))
+    exited = await watch.wait_for(events.TaskExited, of(busy))
+    assert exited.energy_j is not None
+    assert exited.energy_j > 0
     await watch.wait_for(events.NodeHeartbeat, lambda h: h.at > beat.at and not h.running)
+
+
+async def test_a_reported_io_phase_is_idle_at_once(agent: ServiceProcess, bus: Bus,
+                                                   watch: Watch) -> None:
+    cmd = start_cmd('"$M27_PYTHON" -c "import m27.train, time; m27.train.report_phase('
+                    "'io'); time.sleep(300)\"", step_type="gpu_light", gpu_ids=(0,),
+                    gpu_share=0.3)
+    await send(bus, cmd)
+    went_idle = await watch.wait_for(events.TaskIdle, of(cmd), timeout=10)
+    assert went_idle.reason == "io_phase"
+    await send(bus, events.StopTask(at=time.time(), task_id=cmd.task_id, attempt=1,
+                                    grace_s=2))
+    await watch.wait_for(events.TaskExited, of(cmd))
+
+
+async def test_metrics_use_the_dcgm_exporter_names(agent: ServiceProcess, bus: Bus,
+                                                   watch: Watch) -> None:
+    import urllib.request
+
+    await watch.wait_for(events.NodeHeartbeat)
+    got = await bus.kv_get(subjects.NODES_BUCKET, NODE, NodeInfo)
+    assert got is not None
+    address = got[0].metrics_address
+    assert address
+    text = await asyncio.to_thread(
+        lambda: urllib.request.urlopen(f"http://{address}/metrics", timeout=5).read().decode())
+    for name in ("DCGM_FI_DEV_GPU_UTIL", "DCGM_FI_DEV_FB_USED", "DCGM_FI_DEV_GPU_TEMP",
+                 "DCGM_FI_DEV_POWER_USAGE"):
+        assert f"\n{name}{{" in text
+    assert 'm27_simulated="true"' in text
+
+
+async def test_a_task_over_its_gpu_memory_share_is_warned_then_stopped(
+        start_service: Any, bus: Bus, watch: Watch) -> None:
+    start_service("node_agent", "--node-id", NODE, "--gpus", "sim:1x256MiB",
+                  "--heartbeat-interval", "1s")
+    hog = start_cmd('"$M27_PYTHON" -c "import time; x = bytearray(150 << 20); '
+                    'x[::4096] = b\\"1\\" * len(x[::4096]); time.sleep(300)"',
+                    step_type="gpu_light", gpu_ids=(0,), gpu_share=0.1)
+    await send(bus, hog)
+    warned = await watch.wait_for(events.TaskOverShare,
+                                  lambda e: of(hog)(e) and e.action == "warned", timeout=20)
+    assert warned.used_mb > warned.limit_mb
+    exited = await watch.wait_for(events.TaskExited, of(hog), timeout=20)
+    assert exited.cause == "over_share"
+    await watch.wait_for(events.TaskOverShare, lambda e: of(hog)(e) and e.action == "stopped")
+    assert len(watch.all(events.TaskOverShare,
+                         lambda e: of(hog)(e) and e.action == "stopped")) == 1
 
 
 # ---------------------------------------------------------------- running steps
@@ -503,3 +585,110 @@ def test_an_invalid_node_id_is_one_clear_line(nats_url: str, m27_home: Path) -> 
     lines = result.stderr.strip().splitlines()
     assert "invalid node id 'bad.id'" in lines[-1]
     assert "Traceback" not in result.stderr
+
+
+# ---------------------------------------------------------------- checkpoint, pause, resume
+
+SIGNAL_COUNTER = ("trap 'echo ckpt >> signals.txt' USR1; trap 'echo hup >> signals.txt' HUP; "
+                  "echo $$ > shell.pid; i=0; while [ $i -lt 300 ]; do sleep 0.1; "
+                  "i=$((i+1)); echo $i > ticks.txt; done")
+
+
+async def ticks(path: Path) -> int:
+    for _ in range(20):
+        try:
+            return int(path.read_text())
+        except (OSError, ValueError):
+            await asyncio.sleep(0.05)
+    raise AssertionError(f"{path} unreadable")
+
+
+async def test_checkpoint_now_sends_the_steps_signal_and_pause_stops_the_clock(
+        agent: ServiceProcess, bus: Bus, watch: Watch, m27_home: Path) -> None:
+    cmd = start_cmd(SIGNAL_COUNTER, checkpoint_signal="SIGHUP")
+    await send(bus, cmd)
+    await watch.wait_for(events.TaskStarted, of(cmd))
+    work = workdir(m27_home, cmd)
+    await wait_file(work / "ticks.txt")
+    await send(bus, events.CheckpointTask(at=time.time(), task_id=cmd.task_id, attempt=1))
+    assert (await wait_file(work / "signals.txt")).split() == ["hup"]
+    await send(bus, events.PauseTask(at=time.time(), task_id=cmd.task_id, attempt=1))
+    await asyncio.sleep(0.5)
+    frozen = await ticks(work / "ticks.txt")
+    await asyncio.sleep(0.8)
+    assert await ticks(work / "ticks.txt") == frozen  # SIGSTOP: not a tick more
+    beat = await watch.wait_for(events.NodeHeartbeat,
+                                lambda b: any(t.paused for t in b.tasks), timeout=5)
+    assert [t.task_id for t in beat.tasks if t.paused] == [cmd.task_id]
+    await send(bus, events.ResumeTask(at=time.time(), task_id=cmd.task_id, attempt=1))
+    await asyncio.sleep(0.6)
+    assert await ticks(work / "ticks.txt") > frozen
+    await send(bus, events.StopTask(at=time.time(), task_id=cmd.task_id, attempt=1,
+                                    grace_s=1))
+    await watch.wait_for(events.TaskExited, of(cmd))
+
+
+async def test_the_checkpoint_interval_becomes_periodic_requests(
+        agent: ServiceProcess, bus: Bus, watch: Watch, m27_home: Path) -> None:
+    cmd = start_cmd(SIGNAL_COUNTER, checkpoint_interval_s=0.4)
+    await send(bus, cmd)
+    await watch.wait_for(events.TaskStarted, of(cmd))
+    work = workdir(m27_home, cmd)
+    deadline = time.monotonic() + 10
+    while not (work / "signals.txt").exists() or \
+            len((work / "signals.txt").read_text().split()) < 3:
+        assert time.monotonic() < deadline, "no periodic checkpoint requests"
+        await asyncio.sleep(0.1)
+    assert set((work / "signals.txt").read_text().split()) == {"ckpt"}
+    await send(bus, events.StopTask(at=time.time(), task_id=cmd.task_id, attempt=1,
+                                    grace_s=1))
+    await watch.wait_for(events.TaskExited, of(cmd))
+
+
+async def test_multi_gpu_steps_get_nccl_defaults_and_shares_get_a_memory_fraction(
+        agent: ServiceProcess, bus: Bus, watch: Watch, m27_home: Path) -> None:
+    both = start_cmd("env | grep -E '^(NCCL|TORCH_NCCL|M27_GPU_MEMORY_FRACTION|M27_PHASE)' "
+                     "| sort > env.txt", step_type="gpu", gpu_ids=(0, 1), gpu_share=1.0,
+                     env={"NCCL_DEBUG": "INFO"})
+    await send(bus, both)
+    await watch.wait_for(events.TaskExited, of(both))
+    seen = dict(line.split("=", 1) for line in
+                (workdir(m27_home, both) / "env.txt").read_text().splitlines())
+    assert seen["NCCL_DEBUG"] == "INFO"  # the step's own setting wins
+    assert seen["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
+    assert seen["M27_GPU_MEMORY_FRACTION"] == "1"
+    assert seen["M27_PHASE_FILE"].endswith(f"/phases/{both.step}.1")
+    half = start_cmd("echo $M27_GPU_MEMORY_FRACTION ${NCCL_DEBUG:-none} > f.txt",
+                     run_id=both.run_id, step="half", step_type="gpu_light", gpu_ids=(1,),
+                     gpu_share=0.5)
+    await send(bus, half)
+    await watch.wait_for(events.TaskExited, of(half))
+    assert (workdir(m27_home, half) / "f.txt").read_text().split() == ["0.5", "none"]
+
+
+async def test_a_start_without_its_fencing_token_is_not_run(
+        agent: ServiceProcess, bus: Bus, watch: Watch, m27_home: Path) -> None:
+    unassigned = start_cmd("touch ran.txt")
+    await send(bus, unassigned, fence=False)
+    elsewhere = start_cmd("touch ran.txt", run_id=unassigned.run_id, step="elsewhere")
+    await assign(bus, elsewhere.task_id, 1, "another-node")
+    await send(bus, elsewhere, fence=False)
+    marker = start_cmd("true", run_id=unassigned.run_id, step="marker")
+    await send(bus, marker)
+    await watch.wait_for(events.TaskExited, of(marker))
+    assert not (workdir(m27_home, unassigned) / "ran.txt").exists()
+    assert not watch.all(events.TaskStarted, of(unassigned))
+    assert not watch.all(events.TaskStarted, of(elsewhere))
+
+
+async def test_an_agent_kills_its_task_once_the_task_is_assigned_elsewhere(
+        agent: ServiceProcess, bus: Bus, watch: Watch, m27_home: Path) -> None:
+    cmd = start_cmd("echo $$ > pid.txt; sleep 120")
+    await send(bus, cmd)
+    await watch.wait_for(events.TaskStarted, of(cmd))
+    pid = int(await wait_file(workdir(m27_home, cmd) / "pid.txt"))
+    await assign(bus, cmd.task_id, 2, "replacement")  # as after this node was declared lost
+    exited = await watch.wait_for(events.TaskExited, of(cmd), timeout=10)
+    assert exited.cause == "fenced"
+    assert "attempt 1 is stale: attempt 2 is assigned to replacement" in exited.reason
+    await wait_dead(pid)

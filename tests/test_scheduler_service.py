@@ -27,7 +27,7 @@ async def test_a_node_that_registers_after_the_scheduler_gets_work_at_once(
             assert (await client.get_run(run_id)).state == "queued"
             agent = cluster.launch("node-agent-1", "m27.node_agent",
                                    ["--node-id", "late", "--gpus", "sim:1",
-                                    "--heartbeat-interval", "60s"])
+                                    "--heartbeat-interval", "8s"])
             wait_ready([agent])
             began = time.monotonic()
             while (await client.get_run(run_id)).state != "succeeded":
@@ -45,9 +45,9 @@ async def test_a_scheduler_started_after_the_nodes_uses_them_at_once(tmp_path: P
         started = [cluster.launch("orchestrator", "m27.orchestrator"),
                    cluster.launch("node-agent-1", "m27.node_agent",
                                   ["--node-id", "early", "--gpus", "sim:1",
-                                   "--heartbeat-interval", "60s"])]
+                                   "--heartbeat-interval", "8s"])]
         wait_ready(started)
-        await asyncio.sleep(0.5)  # its first (and, for a minute, only) heartbeat is gone
+        await asyncio.sleep(0.5)  # its first heartbeat is gone; the next is 8 s away
         wait_ready([cluster.launch("scheduler", "m27.scheduler")])
         async with Client(cluster.api) as client:
             run_id = await client.submit("pipeline:\n  - {name: a, type: gpu, command: 'true'}\n")

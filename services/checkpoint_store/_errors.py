@@ -43,3 +43,8 @@ class StorageUnavailable(CheckpointStoreError):
 
 class BlobMissing(CheckpointStoreError):
     """A blob file is not there; the store decides whether that is NOT_FOUND or DATA_LOSS."""
+
+
+class StaleAttempt(CheckpointStoreError):
+    """A write from an attempt that is no longer the task's assigned one (its node was
+    declared lost and a newer attempt runs elsewhere): refused, never stored."""

@@ -10,8 +10,10 @@ from m27.checkpoint_store._blobs import FileBlobStore
 from m27.checkpoint_store._index import KvRecordIndex
 from m27.checkpoint_store._servicer import SERVICE_NAME, CheckpointServicer, register
 from m27.checkpoint_store._store import CheckpointStore
+from m27.common import subjects
 from m27.common.config import Config
 from m27.common.logging import get_logger
+from m27.common.model import Fence
 from m27.common.paths import m27_home
 from m27.common.service import ServiceRuntime, run_service, service_parser
 from m27.common.units import parse_size
@@ -50,7 +52,14 @@ async def serve(rt: ServiceRuntime) -> None:
     root = checkpoint_root(rt.config)
     await rt.connect()
     max_bytes = rt.config.checkpoint.max_size
-    store = CheckpointStore(FileBlobStore(root), KvRecordIndex(rt.nats), max_bytes=max_bytes)
+    bus = rt.nats
+
+    async def assigned_attempt(task_id: str) -> int | None:
+        got = await bus.kv_get(subjects.FENCES_BUCKET, subjects.task_key(task_id), Fence)
+        return got[0].attempt if got else None
+
+    store = CheckpointStore(FileBlobStore(root), KvRecordIndex(bus), max_bytes=max_bytes,
+                            assigned_attempt=assigned_attempt)
     removed = await store.recover()
     log.info("checkpoint.store_opened", root=str(root), temp_files_removed=removed,
              max_bytes=max_bytes)

@@ -19,6 +19,7 @@ from m27.checkpoint_store._errors import (
     CheckpointStoreError,
     CheckpointTooLarge,
     InvalidCheckpointRequest,
+    StaleAttempt,
     StorageFull,
     StorageUnavailable,
 )
@@ -41,6 +42,7 @@ STATUS_CODES: Final[tuple[tuple[type[CheckpointStoreError], grpc.StatusCode], ..
     (StorageFull, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (CheckpointCorrupt, grpc.StatusCode.DATA_LOSS),
     (StorageUnavailable, grpc.StatusCode.UNAVAILABLE),
+    (StaleAttempt, grpc.StatusCode.FAILED_PRECONDITION),
 )
 INTERNAL_MESSAGE: Final = "internal error in the checkpoint-store; its log has the details"
 #: A hostile task_id can be megabytes long; log lines keep only its start.

@@ -14,7 +14,7 @@ import asyncio
 import hashlib
 import secrets
 import time
-from collections.abc import AsyncIterable, AsyncIterator, Callable
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
 from types import TracebackType
 from typing import Final
 
@@ -24,6 +24,7 @@ from m27.checkpoint_store._errors import (
     CheckpointCorrupt,
     CheckpointNotFound,
     CheckpointTooLarge,
+    StaleAttempt,
     StorageError,
 )
 from m27.checkpoint_store._ids import (
@@ -55,7 +56,9 @@ class CheckpointStore:
     def __init__(self, blobs: BlobStore, index: RecordIndex, *,
                  max_bytes: int = DEFAULT_MAX_BYTES,
                  clock: Callable[[], float] = time.time,
-                 token: Callable[[], str] = _token) -> None:
+                 token: Callable[[], str] = _token,
+                 assigned_attempt: Callable[[str], Awaitable[int | None]] | None = None) -> None:
+        self._assigned_attempt = assigned_attempt
         self._blobs = blobs
         self._index = index
         self.max_bytes = max_bytes
@@ -63,15 +66,26 @@ class CheckpointStore:
         self._token = token
         self._last_ms = 0
 
+    async def _check_attempt(self, header: Header) -> None:
+        """Fencing: only the attempt the scheduler assigned (or a newer one) may write."""
+        if self._assigned_attempt is None:
+            return
+        assigned = await self._assigned_attempt(header.task_id)
+        if assigned is not None and header.attempt < assigned:
+            raise StaleAttempt(f"attempt {header.attempt} of {header.task_id} is stale: "
+                               f"attempt {assigned} is the assigned one")
+
     async def recover(self) -> int:
         """Clean what a crash left behind; run once before serving."""
         return await asyncio.to_thread(self._blobs.recover)
 
     async def put(self, header: Header, parts: AsyncIterable[bytes]) -> CheckpointRecord:
         """Store the bytes of `parts` as a new checkpoint of the header's task."""
+        await self._check_attempt(header)
         writer = await asyncio.to_thread(self._blobs.create)
         try:
             await self._receive(writer, parts)
+            await self._check_attempt(header)  # the task may have moved during the upload
             ref = self._new_ref(header)
             digest = await asyncio.to_thread(writer.commit, ref)
         except BaseException:

@@ -11,7 +11,7 @@ import sys
 from collections.abc import Sequence
 
 from m27 import __version__
-from m27.cli import _runs, _system
+from m27.cli import _cluster, _runs, _system
 from m27.common.errors import M27Error
 
 EPILOG = """\
@@ -21,6 +21,8 @@ typical use:
   m27 submit pipeline.yaml --var INPUT_FILE=data/1abc.pdb --watch
   m27 runs --state failed      runs, newest first, filtered
   m27 retry RUN                run again what did not succeed
+  m27 nodes                    nodes and GPUs: utilization, memory, who holds what
+  m27 logs RUN STEP -f         a step's output, following it while it runs
   m27 demo                     run the bundled demo pipeline end to end
   m27 down                     stop everything (runs are kept)
 
@@ -43,6 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     _system.add_commands(sub)
     _runs.add_commands(sub)
+    _cluster.add_commands(sub)
     return parser
 
 

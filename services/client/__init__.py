@@ -18,18 +18,29 @@ import grpc
 import msgspec
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from m27.client._cluster import (
+    GpuStatus,
+    NodeStatus,
+    TaskShare,
+    chunk_from_proto,
+    from_cluster_service,
+    node_from_proto,
+)
 from m27.common import proto
 from m27.common.errors import M27Error, NotFoundError
 from m27.common.grpc_server import CLIENT_OPTIONS
+from m27.common.logfiles import LogChunk
 from m27.common.model import RunRecord, RunState, Urgency
 from m27.pipeline.plan import Plan
+from m27.v1 import cluster_pb2, cluster_pb2_grpc
 from m27.v1 import pipeline_pb2 as pb
 from m27.v1 import pipeline_pb2_grpc as pb_grpc
 
 Req = TypeVar("Req")
 Resp = TypeVar("Resp")
 
-__all__ = ["Client", "ClientError", "PipelineRejected", "RunEvent", "RunSummary"]
+__all__ = ["Client", "ClientError", "GpuStatus", "LogChunk", "NodeStatus", "PipelineRejected",
+           "RunEvent", "RunSummary", "TaskShare"]
 
 
 class ClientError(M27Error):
@@ -190,6 +201,42 @@ class Client:
         if code == grpc.StatusCode.INVALID_ARGUMENT:
             return PipelineRejected(details)
         return ClientError(f"{code.name.lower()}: {details}")
+
+    # ------------------------------------------------------------ the cluster (ClusterService)
+
+    def _cluster(self) -> cluster_pb2_grpc.ClusterServiceAsyncStub:
+        return cluster_pb2_grpc.ClusterServiceStub(self._channel)
+
+    async def list_nodes(self) -> list[NodeStatus]:
+        """Every registered node: state, CPU slots, GPUs with their latest readings and the
+        tasks holding shares of them."""
+        reply = await self._call(self._cluster().ListNodes, cluster_pb2.ListNodesRequest())
+        return [node_from_proto(n) for n in reply.nodes]
+
+    async def stream_logs(self, run_id: str, step: str, *, attempt: int = 0,
+                          stream: str = "both", follow: bool = False,
+                          tail_bytes: int = 0) -> AsyncIterator[LogChunk]:
+        """A step's stdout/stderr chunks (attempt 0: the latest that ran); with `follow`,
+        new output as it comes until the attempt ends. `tail_bytes`: start that many bytes
+        before the end of each file."""
+        call = self._cluster().StreamLogs(cluster_pb2.StreamLogsRequest(
+            run_id=run_id, step=step, attempt=attempt, stream=stream, follow=follow,
+            tail_bytes=tail_bytes))
+        try:
+            async for message in call:
+                yield chunk_from_proto(message)
+        except grpc.aio.AioRpcError as exc:
+            raise self._logs_error(exc) from exc
+        finally:
+            call.cancel()
+
+    def _logs_error(self, exc: grpc.aio.AioRpcError) -> ClientError:
+        code, details = exc.code(), exc.details() or ""
+        if code == grpc.StatusCode.UNAVAILABLE and from_cluster_service(exc):
+            return ClientError(details)  # the node is unreachable, not the API
+        if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION):
+            return ClientError(details)
+        return self._error(exc)
 
 
 class _NotFound(ClientError, NotFoundError):

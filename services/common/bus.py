@@ -210,6 +210,29 @@ class Bus:
         kv = await self.kv(bucket)
         return await kv.put(key, msgspec.json.encode(value))
 
+    async def kv_update(self, bucket: str, key: str, type_: type[T],
+                        change: Callable[[T | None], T | None], attempts: int = 20) -> T | None:
+        """Compare-and-set: `change` gets the current value (None if there is none) and
+        returns the new one (None: leave it). Retried on a concurrent write; returns what
+        is stored afterwards."""
+        kv = await self.kv(bucket)
+        for _ in range(attempts):
+            got = await self.kv_get(bucket, key, type_)
+            current, revision = (got[0], got[1]) if got else (None, None)
+            new = change(current)
+            if new is None:
+                return current
+            data = msgspec.json.encode(new)
+            try:
+                if revision is None:
+                    await kv.create(key, data)
+                else:
+                    await kv.update(key, data, last=revision)
+            except nats.js.errors.KeyWrongLastSequenceError:
+                continue
+            return new
+        raise BusError(f"{bucket}/{key}: too many concurrent updates")
+
     async def kv_delete(self, bucket: str, key: str) -> None:
         kv = await self.kv(bucket)
         with contextlib.suppress(nats.js.errors.KeyNotFoundError):

@@ -13,7 +13,7 @@ import re
 import socket
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Annotated, Any, Final, get_args, get_origin, get_type_hints
+from typing import Annotated, Any, Final, Literal, get_args, get_origin, get_type_hints
 
 import msgspec
 
@@ -36,7 +36,20 @@ class NodeSection(msgspec.Struct, frozen=True, kw_only=True):
     gpus: str = "auto"  # auto | none | sim:N | sim:NxMEM (e.g. sim:2x16GiB)
     cpu_slots: Annotated[int, msgspec.Meta(ge=0)] = 0  # 0: the number of CPU cores
     heartbeat_interval: Duration = 5.0
+    # No lease renewal stored for this long: the node kills its own tasks (self-fencing).
+    # Must be shorter than [scheduler] node_timeout, after which they restart elsewhere.
+    lease_fence_after: Duration = 10.0
     stop_grace: Duration = 10.0
+    # A running task under this GPU utilization for idle_samples samples in a row is idle
+    # (I/O wait): its share can be lent out.
+    idle_threshold_pct: Annotated[float, msgspec.Meta(ge=0, le=100)] = 10.0
+    idle_samples: Annotated[int, msgspec.Meta(ge=1, le=100)] = 3
+    # A task over its GPU memory share: warn, and with "stop" stop it after
+    # over_share_samples samples over.
+    over_share: Literal["stop", "warn"] = "stop"
+    over_share_samples: Annotated[int, msgspec.Meta(ge=1, le=100)] = 3
+    # Prometheus /metrics (DCGM-exporter names); port 0: a free one; empty: off.
+    metrics_bind: str = "127.0.0.1:0"
 
 
 class SchedulerSection(msgspec.Struct, frozen=True, kw_only=True):

@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
+import secrets
 import socket
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Mapping
@@ -26,13 +29,19 @@ from m27.common import events, subjects
 from m27.common.bus import Bus, consume, decode_or_poison
 from m27.common.config import NodeSection
 from m27.common.logging import bind_contextvars, get_logger
-from m27.common.model import NodeInfo
+from m27.common.model import GpuSample, NodeInfo
 from m27.common.paths import m27_home
 from m27.common.service import ServiceRuntime
 from m27.node_agent._backends import Backend, open_backend
 from m27.node_agent._cli import check_settings, cpu_slots, gpu_spec, resolve_node_id
+from m27.node_agent._isolation import detect_cgroups, mps_running
+from m27.node_agent._lease import Lease, monotonic, start_guard, stop_guard
+from m27.node_agent._metrics import MetricsServer
+from m27.node_agent._node_api import SERVICE_NAME as NODE_SERVICE
+from m27.node_agent._node_api import NodeServicer, nothing_running, running_check
 from m27.node_agent._runner import TaskRunner
 from m27.node_agent._tasks import NodeContext
+from m27.node_agent._telemetry import Telemetry, TelemetrySettings
 
 log = get_logger()
 
@@ -40,6 +49,7 @@ STOPPED_REASON: Final = "node agent stopped"
 #: After the tasks' grace: how long shutdown waits for their exits to reach the bus.
 REPORT_TIMEOUT_S: Final = 15.0
 CONSUMER_STOP_TIMEOUT_S: Final = 15.0
+FENCE_CHECK_S: Final = 0.25
 
 
 class NodeAgent:
@@ -47,27 +57,74 @@ class NodeAgent:
 
     def __init__(self, bus: Bus, *, node_id: str, backend: Backend, settings: NodeSection,
                  stop: asyncio.Event, environ: Mapping[str, str] | None = None,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time,
+                 overprovision: float = 1.0) -> None:
         self._bus = bus
         self._node_id = node_id
         self._backend = backend
         self._settings = settings
         self._stop = stop
         self._clock = clock
+        self.incarnation = secrets.token_hex(6)
+        self.lease = Lease(node_id=node_id, fence_after_s=settings.lease_fence_after)
+        env = os.environ if environ is None else environ
+        self.cgroups = detect_cgroups(node_id)
+        self.mps = mps_running(env)
         context = NodeContext(node_id=node_id, backend=backend.kind, gpus=backend.gpus,
-                              home=m27_home(), python=sys.executable)
+                              home=m27_home(), python=sys.executable, mps=self.mps)
+        self.telemetry = Telemetry(
+            backend, node_id, TelemetrySettings(
+                idle_threshold_pct=settings.idle_threshold_pct,
+                idle_samples=settings.idle_samples, over_share=settings.over_share,
+                over_share_samples=settings.over_share_samples,
+                memory_overprovision=overprovision),
+            self._publish, self._stop_over_share, hostname=socket.gethostname())
         self.runner = TaskRunner(bus, context, stop_grace_s=settings.stop_grace,
-                                 environ=os.environ if environ is None else environ,
-                                 clock=clock)
+                                 environ=env, clock=clock, leased=self._leased,
+                                 cgroups=self.cgroups, energy=self._task_energy)
+        self.metrics: MetricsServer | None = None
+        self.metrics_address = ""
         self._info: NodeInfo | None = None
         self._heartbeats_stop = asyncio.Event()
         self._heartbeat_task: asyncio.Task[None] | None = None
+        self._fence_task: asyncio.Task[None] | None = None
         self._consumer_task: asyncio.Task[None] | None = None
+        self._guard: subprocess.Popen[bytes] | None = None
+        self.fenced = False
+
+    async def _publish(self, subject: str, event: events.Event, msg_id: str) -> None:
+        await self._bus.publish(subject, event, msg_id=msg_id)
+
+    def _stop_over_share(self, task_id: str, attempt: int, note: str) -> None:
+        self.runner.stop_over_share(task_id, attempt, note)
+
+    def _task_energy(self, task_id: str, attempt: int) -> float | None:
+        energy = self.telemetry.energy_j(task_id, attempt)
+        self.telemetry.forget(task_id, attempt)
+        return energy
+
+    async def _start_metrics(self) -> str:
+        """Prometheus /metrics with DCGM-exporter names, if `[node] metrics_bind` is set."""
+        if not self._settings.metrics_bind:
+            return ""
+        self.metrics = MetricsServer(self._settings.metrics_bind,
+                                     self.telemetry.metrics_text)
+        address = await self.metrics.start()
+        log.info("node.metrics", address=f"http://{address}/metrics")
+        return address
+
+    def _leased(self) -> bool:
+        """May tasks run? Only while the lease holds (it lapses fence_after after the last
+        acknowledged renewal)."""
+        return self.lease.renewed_at is not None and not self.lease.expired(monotonic())
 
     async def start(self) -> None:
         await self.runner.recover()
+        self.metrics_address = await self._start_metrics()
         await self._register()
+        self._guard = start_guard(self.lease.path, self.runner.ledger_path, self._node_id)
         self._heartbeat_task = asyncio.create_task(self._heartbeat_loop(), name="heartbeats")
+        self._fence_task = asyncio.create_task(self._fence_loop(), name="self-fencing")
         self._consumer_task = asyncio.create_task(self._consume(), name="node commands")
 
     async def _register(self) -> None:
@@ -75,41 +132,80 @@ class NodeAgent:
         info = NodeInfo(node_id=self._node_id, hostname=socket.gethostname(),
                         backend=self._backend.kind, gpus=self._backend.gpus,
                         cpu_slots=cpu_slots(self._settings), registered_at=now,
-                        last_heartbeat=now, pid=os.getpid(), version=__version__)
+                        last_heartbeat=now, pid=os.getpid(), version=__version__,
+                        incarnation=self.incarnation, seq=1,
+                        cgroups=self.cgroups.enabled, mps=self.mps,
+                        metrics_address=self.metrics_address)
         await self._bus.kv_put(subjects.NODES_BUCKET, self._node_id, info)
+        self.lease.renewed(monotonic())
         self._info = info
         await self._bus.publish(subjects.node_events(self._node_id), events.NodeRegistered(
             at=now, node_id=self._node_id, hostname=info.hostname, backend=info.backend,
             gpus=info.gpus, cpu_slots=info.cpu_slots))
+        log.log(logging.INFO if self.cgroups.enabled else logging.WARNING, "node.isolation",
+                cpu_memory_limits="enforced" if self.cgroups.enabled else "NOT enforced",
+                detail=self.cgroups.reason,
+                gpu_shares="enforced by CUDA MPS" if self.mps else
+                "NOT enforced on the GPU (no MPS); memory limits go to torch programs and "
+                "per-process memory is watched")
         log.info("node.registered", backend=info.backend, gpus=len(info.gpus),
-                 simulated=info.backend == "simulated", cpu_slots=info.cpu_slots)
+                 simulated=info.backend == "simulated", cpu_slots=info.cpu_slots,
+                 incarnation=self.incarnation,
+                 lease=f"fence after {self.lease.fence_after_s:g}s without renewal")
 
-    # ------------------------------------------------------------ heartbeats
+    # ------------------------------------------------------------ lease and heartbeats
 
     async def _heartbeat_loop(self) -> None:
         interval = self._settings.heartbeat_interval
         while not self._heartbeats_stop.is_set():
             try:
-                await self._heartbeat()
-            except Exception as exc:  # a missed beat must not end the loop
-                log.warning("node.heartbeat_failed", error=str(exc) or type(exc).__name__)
+                await self._renew()
+            except Exception as exc:  # a missed renewal must not end the loop
+                log.warning("node.lease_renewal_failed", error=str(exc) or type(exc).__name__)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._heartbeats_stop.wait(), interval)
 
-    async def _heartbeat(self) -> None:
+    async def _renew(self) -> None:
+        """Store the node record with the next seq; only then announce the heartbeat."""
+        assert self._info is not None
         now = self._clock()
-        holdings = self.runner.holdings()
-        try:
-            samples = await asyncio.to_thread(self._backend.sample, holdings, now)
-        except Exception as exc:  # NVML can fail (GPU lost); the node is still alive
-            log.error("node.gpu_sample_failed", backend=self._backend.kind, error=str(exc))
-            samples = ()
+        samples = await self._sample(now)
+        holdings = self.runner.task_holdings()
+        info = msgspec.structs.replace(self._info, last_heartbeat=now, seq=self._info.seq + 1,
+                                       samples=samples, holdings=holdings, state="up")
+        await asyncio.wait_for(self._bus.kv_put(subjects.NODES_BUCKET, self._node_id, info),
+                               timeout=max(1.0, self._settings.heartbeat_interval))
+        self._info = info
+        self.lease.renewed(monotonic())
+        if self.fenced:
+            log.warning("node.lease_regained", incarnation=self.incarnation, seq=info.seq)
+            self.fenced = False
         await self._bus.publish_core(subjects.heartbeat(self._node_id), events.NodeHeartbeat(
             at=now, node_id=self._node_id, backend=self._backend.kind, gpus=samples,
-            running=self.runner.running_ids()))
-        if self._info is not None:
-            self._info = msgspec.structs.replace(self._info, last_heartbeat=now)
-            await self._bus.kv_put(subjects.NODES_BUCKET, self._node_id, self._info)
+            running=self.runner.running_ids(), incarnation=self.incarnation, seq=info.seq,
+            tasks=holdings))
+        await self.runner.kill_stale()
+
+    async def _sample(self, now: float) -> tuple[GpuSample, ...]:
+        """Telemetry: GPU readings, plus idle, over-share and leak events for the tasks."""
+        try:
+            return await self.telemetry.tick(self.runner.views(), now)
+        except Exception as exc:  # NVML can fail (GPU lost); the node is still alive
+            log.error("node.gpu_sample_failed", backend=self._backend.kind, error=str(exc))
+            return ()
+
+    async def _fence_loop(self) -> None:
+        """Self-fencing: when the lease lapses, this node's tasks die here, before the
+        scheduler's longer lease runs out and they are started elsewhere."""
+        while not self._heartbeats_stop.is_set():
+            if not self.fenced and self.lease.expired(monotonic()):
+                self.fenced = True
+                silent = monotonic() - (self.lease.renewed_at or 0.0)
+                count = self.runner.fence_all(f"lease lapsed: no renewal stored for "
+                                              f"{silent:.0f}s")
+                log.error("node.self_fenced", tasks=count, silent_s=round(silent, 1))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._heartbeats_stop.wait(), FENCE_CHECK_S)
 
     # ------------------------------------------------------------ commands
 
@@ -152,6 +248,11 @@ class NodeAgent:
                                            REPORT_TIMEOUT_S)
         self._heartbeats_stop.set()
         await _finish(self._heartbeat_task, 5.0)
+        await _finish(self._fence_task, 5.0)
+        self.lease.close()
+        stop_guard(self._guard)
+        if self.metrics is not None:
+            await self.metrics.close()
         if self._info is None:
             return
         now = self._clock()
@@ -192,16 +293,19 @@ async def serve(rt: ServiceRuntime) -> None:
     settings = rt.config.node
     node_id = resolve_node_id(settings.id)
     spec = gpu_spec(settings)
-    check_settings(settings)
+    check_settings(settings, rt.config.scheduler.node_timeout)
     bind_contextvars(node_id=node_id)
     if not rt.args.instance:
         rt.instance = node_id  # several agents on one host must not share a services key
     bus = await rt.connect()
-    await rt.serve_grpc()
+    node_api = NodeServicer(m27_home(), node_id, is_running=nothing_running)
+    await rt.serve_grpc([node_api.register], [NODE_SERVICE])
     backend, why = await asyncio.to_thread(open_backend, spec, node_id)
     _log_backend(backend, why)
     agent = NodeAgent(bus, node_id=node_id, backend=backend, settings=settings,
-                      stop=rt.stop)
+                      stop=rt.stop,
+                      overprovision=rt.config.performance.memory_overprovision)
+    node_api.is_running = running_check(agent.runner)
     try:
         await agent.start()
         await rt.ready()

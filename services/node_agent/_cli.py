@@ -74,10 +74,16 @@ def gpu_spec(settings: NodeSection) -> GpuSpec:
         raise ConfigError(f"[node] gpus = {settings.gpus!r}: {exc}") from exc
 
 
-def check_settings(settings: NodeSection) -> None:
+def check_settings(settings: NodeSection, node_timeout: float) -> None:
     if settings.heartbeat_interval < MIN_HEARTBEAT_S:
         raise ConfigError(f"[node] heartbeat_interval = {settings.heartbeat_interval:g}s: "
                           f"must be at least {MIN_HEARTBEAT_S:g}s")
+    if not settings.heartbeat_interval < settings.lease_fence_after < node_timeout:
+        raise ConfigError(
+            f"[node] lease_fence_after = {settings.lease_fence_after:g}s must be longer than "
+            f"[node] heartbeat_interval ({settings.heartbeat_interval:g}s) and shorter than "
+            f"[scheduler] node_timeout ({node_timeout:g}s): a cut-off node must stop its "
+            "tasks before they are started elsewhere")
 
 
 def cpu_slots(settings: NodeSection) -> int:

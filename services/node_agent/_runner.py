@@ -25,9 +25,10 @@ from m27.common import subjects
 from m27.common.bus import Bus, PoisonMessage
 from m27.common.events import StartTask, StopTask, TaskExited, TaskStarted
 from m27.common.logging import bound_contextvars, get_logger
-from m27.common.model import ServiceInfo
+from m27.common.model import Fence, ServiceInfo, TaskHolding
 from m27.node_agent import _ledger
 from m27.node_agent._gpus import Holding
+from m27.node_agent._isolation import Cgroups, cgroup_name, place_in_cgroup, remove_cgroup
 from m27.node_agent._process import (
     find_task_processes,
     kill_pids,
@@ -56,6 +57,7 @@ from m27.node_agent._tasks import (
     timed_out,
     timeout_of,
 )
+from m27.node_agent._telemetry import RunningView
 
 log = get_logger()
 
@@ -65,6 +67,10 @@ RETRY_MAX_DELAY_S: Final = 5.0
 #: exit unreported forever (unchecked outputs then count as missing).
 OUTPUTS_CHECK_TIMEOUT_S: Final = 30.0
 TaskKey = tuple[str, int]
+
+
+class NotLeased(Exception):
+    """The node's lease lapsed: start nothing until it is renewed (the message comes back)."""
 
 
 class AgentStopping(Exception):
@@ -85,6 +91,7 @@ class RunningTask:
     started_at: float
     started_published: bool = False
     paused: bool = False
+    cgroup: Path | None = None
     stop: StopRequest | None = None  # the first reason the agent stopped it, if it did
     killed_after_s: float | None = None
     publish_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -109,8 +116,14 @@ class TaskRunner:
 
     def __init__(self, bus: Bus, node: NodeContext, *, stop_grace_s: float,
                  environ: Mapping[str, str],
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time,
+                 leased: Callable[[], bool] = lambda: True,
+                 cgroups: Cgroups | None = None,
+                 energy: Callable[[str, int], float | None] = lambda _t, _a: None) -> None:
         self._bus = bus
+        self._leased = leased
+        self._energy = energy
+        self._cgroups = cgroups or Cgroups(None, "not checked")
         self._node = node
         self._stop_grace_s = stop_grace_s
         self._environ = dict(environ)
@@ -129,6 +142,32 @@ class TaskRunner:
     def running_ids(self) -> tuple[str, ...]:
         return tuple(sorted({t.cmd.task_id for t in self._tasks.values() if t.alive}))
 
+    def task_holdings(self) -> tuple[TaskHolding, ...]:
+        """What each running task holds, as the node reports it with every renewal."""
+        return tuple(TaskHolding(task_id=t.cmd.task_id, attempt=t.cmd.attempt,
+                                 gpu_ids=t.cmd.gpu_ids, gpu_share=t.cmd.gpu_share,
+                                 paused=t.paused)
+                     for t in self._tasks.values() if t.alive)
+
+    def views(self) -> tuple[RunningView, ...]:
+        """What telemetry samples: each running task with its process group."""
+        return tuple(RunningView(task_id=t.cmd.task_id, run_id=t.cmd.run_id, step=t.cmd.step,
+                                 attempt=t.cmd.attempt, gpu_ids=t.cmd.gpu_ids,
+                                 gpu_share=t.cmd.gpu_share, gpu_memory_mb=t.cmd.gpu_memory_mb,
+                                 pgid=t.process.pid, paused=t.paused,
+                                 phase_file=str(t.paths.phase_file))
+                     for t in self._tasks.values() if t.alive)
+
+    def stop_over_share(self, task_id: str, attempt: int, note: str) -> None:
+        """The over-share policy's stop: like a StopTask, reported with cause over_share."""
+        task = self._tasks.get((task_id, attempt))
+        if task is not None and task.alive:
+            self._terminate(task, StopRequest("over_share", note), self._stop_grace_s)
+
+    @property
+    def ledger_path(self) -> Path:
+        return self._ledger_path
+
     # ------------------------------------------------------------ StartTask
 
     async def start(self, cmd: StartTask) -> None:
@@ -143,6 +182,15 @@ class TaskRunner:
             if latest is not None and cmd.attempt <= latest:
                 await self._on_duplicate(cmd, latest)
                 return
+            if not self._leased():
+                raise NotLeased(f"the node's lease has lapsed; {cmd.task_id} is left for "
+                                "redelivery once it is renewed")
+            fence = await self._fence(cmd.task_id)
+            if fence is None or (fence.attempt, fence.node_id) != (cmd.attempt,
+                                                                     self._node.node_id):
+                log.warning("task.stale_assignment", fence_attempt=fence and fence.attempt,
+                            fence_node=fence and fence.node_id)
+                return  # not this node's to run (any more): the message is dropped
             self._supersede(cmd)
             paths = task_paths(self._node.home, cmd)
             try:
@@ -151,6 +199,34 @@ class TaskRunner:
                 await self._report_not_started(cmd, paths, str(exc))
                 return
             await self._ensure_started_published(task)
+
+    async def _fence(self, task_id: str) -> Fence | None:
+        """The task's fencing token: which attempt may run it, and where."""
+        got = await self._bus.kv_get(subjects.FENCES_BUCKET, subjects.task_key(task_id), Fence)
+        return got[0] if got else None
+
+    def fence_all(self, note: str) -> int:
+        """Self-fencing: SIGKILL every task now (the lease lapsed; they may restart
+        elsewhere soon). Returns how many were running."""
+        alive = [t for t in self._tasks.values() if t.alive]
+        for task in alive:
+            self._terminate(task, StopRequest("fenced", note), 0.0)
+        return len(alive)
+
+    async def kill_stale(self) -> int:
+        """Kill tasks whose attempt is no longer the assigned one (the node was declared
+        lost and they run elsewhere now): only one attempt of a task ever runs."""
+        killed = 0
+        for task in [t for t in self._tasks.values() if t.alive]:
+            fence = await self._fence(task.cmd.task_id)
+            if fence is None or (fence.attempt, fence.node_id) == (task.cmd.attempt,
+                                                                     self._node.node_id):
+                continue
+            self._terminate(task, StopRequest(
+                "fenced", f"attempt {task.cmd.attempt} is stale: attempt {fence.attempt} is "
+                f"assigned to {fence.node_id}"), 0.0)
+            killed += 1
+        return killed
 
     async def _on_duplicate(self, cmd: StartTask, latest: int) -> None:
         task = self._tasks.get((cmd.task_id, cmd.attempt))
@@ -172,6 +248,7 @@ class TaskRunner:
         try:
             if paths.default_workdir:
                 paths.workdir.mkdir(parents=True, exist_ok=True)
+            paths.phase_file.parent.mkdir(parents=True, exist_ok=True)
             paths.checkpoint_dir.mkdir(parents=True, exist_ok=True)
             node = dataclasses.replace(self._node,
                                        checkpoint_store=await self._checkpoint_store())
@@ -181,6 +258,7 @@ class TaskRunner:
         except (OSError, ValueError, subprocess.SubprocessError) as exc:
             raise CannotStart(str(exc)) from exc
         task = RunningTask(cmd=cmd, paths=paths, process=process, started_at=self._clock())
+        task.cgroup = self._confine(cmd, process.pid)
         self._tasks[task.key] = task
         _ledger.remember(self._seen, cmd.task_id, cmd.attempt)
         self._save_ledger()
@@ -196,6 +274,17 @@ class TaskRunner:
                  gpu_backend=self._node.backend if cmd.gpu_ids else "none",
                  command=cmd.command[:200])
         return task
+
+    def _confine(self, cmd: StartTask, pid: int) -> Path | None:
+        """The task's CPU and memory limits, where the node can enforce them (cgroup v2)."""
+        if not self._cgroups.enabled:
+            return None
+        try:
+            return place_in_cgroup(self._cgroups, cgroup_name(cmd.task_id, cmd.attempt), pid,
+                                   cmd.cpus, cmd.memory_mb)
+        except OSError as exc:
+            log.warning("task.cgroup_failed", error=str(exc), detail="limits not enforced")
+            return None
 
     async def _report_not_started(self, cmd: StartTask, paths: TaskPaths, why: str) -> None:
         """TaskExited(started=False); the attempt counts as seen only once that is stored."""
@@ -250,6 +339,9 @@ class TaskRunner:
         group_left = signal_group(task.process.pid, signal.SIGKILL)
         for escalation in task.escalations:  # the timeout too: it must not fire any more
             escalation.cancel()
+        if task.stop is None and not self._leased():
+            # Killed by the node's guard while the lease had lapsed (the agent was frozen).
+            task.stop = StopRequest("fenced", "the node's lease lapsed: fenced by its guard")
         end = ending(returncode, task.stop, task.killed_after_s)
         missing = await self._missing_outputs(task) if end.check_outputs else ()
         event = self._exited_event(task, end, missing)
@@ -258,6 +350,7 @@ class TaskRunner:
                  missing_outputs=list(event.missing_outputs),
                  duration_s=round(event.at - task.started_at, 3))
         await self._retrying("task exit", lambda: self._publish_exit(task, event))
+        remove_cgroup(task.cgroup)
         self._tasks.pop(task.key, None)
         self._save_ledger()
 
@@ -286,6 +379,7 @@ class TaskRunner:
             stderr_tail=read_tail(task.paths.stderr, STDERR_TAIL_BYTES),
             stdout_path=str(task.paths.stdout), stderr_path=str(task.paths.stderr),
             reason=end.reason, cause=end.cause, missing_outputs=missing,
+            energy_j=self._energy(cmd.task_id, cmd.attempt),
         )
 
     async def _publish_exit(self, task: RunningTask, event: TaskExited) -> None:

@@ -19,6 +19,7 @@ from m27.common.ids import is_valid_name
 from m27.common.model import ExitCause, GpuBackend, GpuInfo
 from m27.common.paths import run_dir
 from m27.node_agent._gpus import gpu_memory_mb, per_gpu_share
+from m27.node_agent._isolation import memory_fraction, mps_env, nccl_env
 
 STDOUT_TAIL_BYTES: Final = 2 * 1024
 STDERR_TAIL_BYTES: Final = 4 * 1024
@@ -38,6 +39,7 @@ class TaskPaths:
     stdout: Path
     stderr: Path
     checkpoint_dir: Path
+    phase_file: Path  # the training library writes "io" / "compute" here
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,10 +52,12 @@ class NodeContext:
     home: Path
     python: str
     checkpoint_store: str | None = None
+    mps: bool = False  # a CUDA MPS daemon runs: shares are enforced through it
 
 
 def task_paths(home: Path, cmd: StartTask) -> TaskPaths:
-    """Logs `<run>/logs/<step>.<attempt>.out|err`, checkpoints `<run>/checkpoints/<step>`.
+    """Logs `<run>/logs/<step>.<attempt>.out|err`, checkpoints `<run>/checkpoints/<step>`,
+    phase reports `<run>/phases/<step>.<attempt>`.
 
     A relative `workdir` is taken relative to the run's scratch dir `<run>/work`.
     """
@@ -70,6 +74,7 @@ def task_paths(home: Path, cmd: StartTask) -> TaskPaths:
         stdout=logs / f"{cmd.step}.{cmd.attempt}.out",
         stderr=logs / f"{cmd.step}.{cmd.attempt}.err",
         checkpoint_dir=run / "checkpoints" / cmd.step,
+        phase_file=run / "phases" / f"{cmd.step}.{cmd.attempt}",
     )
 
 
@@ -134,8 +139,16 @@ def task_env(base: Mapping[str, str], cmd: StartTask, node: NodeContext,
         "M27_HOME": str(node.home),
         "CUDA_VISIBLE_DEVICES": gpu_ids,
     })
+    memory_mb = gpu_memory_mb(node.gpus, cmd.gpu_ids, share, cmd.gpu_memory_mb)
     if cmd.gpu_ids:
         env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
+        total = min((g.memory_total_mb for g in node.gpus if g.index in cmd.gpu_ids),
+                    default=0)
+        env["M27_GPU_MEMORY_FRACTION"] = f"{memory_fraction(share, memory_mb, total):.4g}"
+        env.update(nccl_env(cmd.gpu_ids, cmd.env))
+        if node.mps:
+            env.update(mps_env(share, memory_mb, len(cmd.gpu_ids)))
+    env["M27_PHASE_FILE"] = str(paths.phase_file)
     if cmd.checkpoint_interval_s is not None:
         env["M27_CHECKPOINT_INTERVAL"] = f"{cmd.checkpoint_interval_s:g}"
     if node.checkpoint_store:

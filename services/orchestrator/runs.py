@@ -222,15 +222,19 @@ def retry_decision(step: StepRecord, cause: str) -> Retry | None:
     """Whether a failed attempt is tried again, and after how long (pure policy).
 
     Infrastructure losses (node died or stopped, preemption) and program failures (non-zero
-    exit, timeout, could not start) have separate budgets; the delay grows by `factor`
-    from `initial_delay_s` up to `max_delay_s`, counted per kind."""
+    exit, timeout, could not start) have separate budgets. Program failures wait: the delay
+    grows by `factor` from `initial_delay_s` up to `max_delay_s`; infrastructure losses are
+    retried at once (on another node)."""
     infrastructure = cause in INFRASTRUCTURE_CAUSES
     used = step.infra_failures if infrastructure else step.failures
     limit = step.retry.infrastructure if infrastructure else step.retry.failure
     if used >= limit:
         return None
     policy = step.retry
-    delay = min(policy.max_delay_s, policy.initial_delay_s * policy.factor ** used)
+    # A lost node is not the program's fault and waiting does not help: restart at once
+    # (elsewhere). Program failures back off.
+    delay = 0.0 if infrastructure else min(policy.max_delay_s,
+                                           policy.initial_delay_s * policy.factor ** used)
     return Retry(delay_s=delay, infrastructure=infrastructure, count=used + 1, limit=limit)
 
 
@@ -245,7 +249,9 @@ def _finish_attempt(change: _Change, step: StepRecord, event: events.TaskExited)
         "stdout_tail": event.stdout_tail[-TAIL_IN_RECORD_BYTES:],
         "stderr_tail": event.stderr_tail[-TAIL_IN_RECORD_BYTES:],
         "stdout_path": event.stdout_path or step.stdout_path,
-        "stderr_path": event.stderr_path or step.stderr_path}
+        "stderr_path": event.stderr_path or step.stderr_path,
+        "energy_j": step.energy_j if event.energy_j is None
+        else (step.energy_j or 0.0) + event.energy_j}
     if change.run.cancel_requested or step.cancel_requested:
         why = change.run.reason if change.run.cancel_requested else "step cancelled"
         change.set_step(step.name, "cancelled", f"cancelled: {why or 'on request'}", **fields)

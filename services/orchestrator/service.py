@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from m27.common import bus as bus_module
 from m27.common import subjects
+from m27.common.paths import m27_home
 from m27.common.service import ServiceRuntime
+from m27.orchestrator import cluster_api
 from m27.orchestrator.api import SERVICE_NAME, PipelineServicer
 from m27.orchestrator.caching import Cache
 from m27.orchestrator.engine import Engine
@@ -21,8 +23,11 @@ async def serve(rt: ServiceRuntime) -> None:
     bus = await rt.connect()
     engine = Engine(RunStore(bus), Cache(bus))
     servicer = PipelineServicer(engine, rt.config.scheduler.gpu_light_share)
+    cluster = cluster_api.ClusterServicer(engine.store,
+                                          node_timeout=rt.config.scheduler.node_timeout,
+                                          home=m27_home())
     await rt.serve_grpc([lambda server: pb_grpc.add_PipelineServiceServicer_to_server(
-        servicer, server)], [SERVICE_NAME])
+        servicer, server), cluster.register], [SERVICE_NAME, cluster_api.SERVICE_NAME])
     await engine.recover()
     handlers = EventHandlers(engine)
     rt.spawn(bus_module.consume(

@@ -19,7 +19,7 @@ from m27.common import bus as bus_module
 from m27.common import events, subjects
 from m27.common.bus import Bus
 from m27.common.logging import bound_contextvars, get_logger
-from m27.common.model import TENTHS_PER_GPU, NodeInfo
+from m27.common.model import TENTHS_PER_GPU, Fence, NodeInfo
 from m27.common.service import ServiceRuntime
 from m27.scheduler import policy
 from m27.scheduler.policy import Node, Place, Placement, QueuedTask
@@ -46,6 +46,10 @@ class Scheduler:
         self.node_timeout = node_timeout
         self.tick = tick
         self.nodes: dict[str, Node] = {}
+        # node → (incarnation, seq, when this scheduler saw it, on its monotonic clock).
+        # Liveness is "a new renewal was seen lately", never a comparison of two machines'
+        # clocks.
+        self.seen: dict[str, tuple[str, int, float]] = {}
         self.entries: dict[str, TaskEntry] = {}
         self.lost: set[str] = set()
         self.wake = asyncio.Event()
@@ -69,8 +73,7 @@ class Scheduler:
             if got is None:
                 continue
             info = got[0]
-            known = self.nodes.get(info.node_id)
-            last = max(info.last_heartbeat, known.last_heartbeat if known else 0.0)
+            last = self._saw(info.node_id, info.incarnation, info.seq)
             seen[info.node_id] = Node(node_id=info.node_id, gpus=info.gpus,
                                       cpu_slots=info.cpu_slots, last_heartbeat=last,
                                       up=info.state == "up")
@@ -78,6 +81,17 @@ class Scheduler:
         self.wake.set()
 
     # ------------------------------------------------------------ inputs
+
+    def _saw(self, node_id: str, incarnation: str, seq: int) -> float:
+        """Record a renewal; returns when the node's latest renewal was first seen here.
+
+        A node first seen by this scheduler (after its own restart) gets a full lease from
+        now: it is declared lost only if it then stays silent for node_timeout."""
+        now = time.monotonic()
+        before = self.seen.get(node_id)
+        if before is None or before[0] != incarnation or seq > before[1]:
+            self.seen[node_id] = (incarnation, seq, now)
+        return self.seen[node_id][2]
 
     async def on_heartbeat(self, msg: Msg) -> None:
         try:
@@ -90,8 +104,8 @@ class Scheduler:
         if node is None:
             await self.refresh_nodes()
             return
-        self.nodes[beat.node_id] = msgspec.structs.replace(
-            node, last_heartbeat=max(node.last_heartbeat, beat.at))
+        last = self._saw(beat.node_id, beat.incarnation, beat.seq)
+        self.nodes[beat.node_id] = msgspec.structs.replace(node, last_heartbeat=last, up=True)
         if beat.node_id in self.lost:
             self.wake.set()
 
@@ -158,7 +172,8 @@ class Scheduler:
 
     async def run_once(self, now: float) -> None:
         await self._declare_lost_nodes(now)
-        live = [msgspec.structs.replace(n, up=policy.is_alive(n, now, self.node_timeout))
+        clock = time.monotonic()
+        live = [msgspec.structs.replace(n, up=policy.is_alive(n, clock, self.node_timeout))
                 for n in self.nodes.values()]
         held = [e.placement for e in self.entries.values() if e.placement is not None]
         queue = [QueuedTask(task=e.task, queued_at=e.queued_at)
@@ -174,6 +189,10 @@ class Scheduler:
         placement = decision.placement
         entry = self.entries[placement.task_id]
         task = entry.task
+        if not await self._fence(task, placement.node_id, now):
+            log.warning("task.stale_enqueue", task_id=task.task_id, attempt=task.attempt)
+            await self._forget(task.task_id)
+            return
         await self._store(msgspec.structs.replace(entry, placement=placement, wait_reason=""))
         node = self.nodes[placement.node_id]
         share = placement.gpu_tenths / TENTHS_PER_GPU if placement.gpu_ids else 0.0
@@ -184,7 +203,8 @@ class Scheduler:
             workdir=task.workdir, env=task.env, gpu_ids=placement.gpu_ids, gpu_share=share,
             gpu_memory_mb=task.resources.gpu_memory_mb,
             checkpoint_interval_s=task.checkpoint_interval_s, timeout_s=task.timeout_s,
-            outputs=task.outputs)
+            outputs=task.outputs, checkpoint_signal=task.checkpoint_signal,
+            cpus=task.resources.cpus, memory_mb=task.resources.memory_mb)
         key = f"{task.task_id}:{task.attempt}"
         await self.bus.publish(subjects.node_commands(placement.node_id), start,
                                msg_id=f"{key}:start")
@@ -196,6 +216,22 @@ class Scheduler:
         log.info("task.placed", task_id=task.task_id, node_id=placement.node_id,
                  gpu_ids=list(placement.gpu_ids), reason=decision.reason)
 
+    async def _fence(self, task: events.EnqueueTask, node_id: str, now: float) -> bool:
+        """Record the assignment as the task's fencing token (compare-and-set, attempts only
+        grow). False when a newer attempt already holds it: this one must not run."""
+        def assign(current: Fence | None) -> Fence | None:
+            if current is not None and current.attempt > task.attempt:
+                return None
+            if current is not None and (current.attempt, current.node_id) == (task.attempt,
+                                                                              node_id):
+                return None
+            return Fence(task_id=task.task_id, attempt=task.attempt, node_id=node_id, at=now)
+
+        stored = await self.bus.kv_update(subjects.FENCES_BUCKET,
+                                          subjects.task_key(task.task_id), Fence, assign)
+        return stored is not None and (stored.attempt, stored.node_id) == (task.attempt,
+                                                                            node_id)
+
     async def _note_wait(self, decision: policy.Wait) -> None:
         entry = self.entries[decision.task_id]
         if entry.wait_reason != decision.reason:
@@ -206,17 +242,18 @@ class Scheduler:
         """A node silent for longer than node_timeout is lost: its tasks are reported lost.
 
         (Rescheduling them from their checkpoints is the failover design, still to come.)"""
+        clock = time.monotonic()
         for node in list(self.nodes.values()):
-            if policy.is_alive(node, now, self.node_timeout):
+            if policy.is_alive(node, clock, self.node_timeout):
                 self.lost.discard(node.node_id)
                 continue
             if not node.up or node.node_id in self.lost:
                 continue
             self.lost.add(node.node_id)
-            silent = now - node.last_heartbeat
+            silent = clock - node.last_heartbeat
             log.warning("node.lost", node_id=node.node_id, silent_s=round(silent, 1))
             await self.bus.publish(subjects.node_events(node.node_id), events.NodeLost(
-                at=now, node_id=node.node_id, last_heartbeat=node.last_heartbeat))
+                at=now, node_id=node.node_id, last_heartbeat=now - silent))
             for entry in [e for e in self.entries.values()
                           if e.placement and e.placement.node_id == node.node_id]:
                 await self._report_lost(entry, node.node_id, silent, now)

@@ -71,9 +71,9 @@ def test_gpu_spec_from_config() -> None:
 
 
 def test_heartbeat_interval_must_be_positive() -> None:
-    check_settings(NodeSection(heartbeat_interval=0.5))
+    check_settings(NodeSection(heartbeat_interval=0.5), 15.0)
     with pytest.raises(ConfigError, match="heartbeat_interval"):
-        check_settings(NodeSection(heartbeat_interval=0.0))
+        check_settings(NodeSection(heartbeat_interval=0.0), 15.0)
 
 
 def test_cpu_slots_default_to_the_cores() -> None:

@@ -1,4 +1,4 @@
-"""GPU specs, the load tasks put on GPUs, and the simulated telemetry model."""
+"""GPU specs, the load tasks put on GPUs, and the simulated telemetry model (pure)."""
 
 from __future__ import annotations
 
@@ -8,13 +8,19 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from m27.common.model import GpuInfo, GpuSample
+from m27.common.model import GpuInfo, GpuProcess, GpuSample
 from m27.node_agent._gpus import (
     SIM_BUSY_TEMP_C,
+    SIM_IDLE_POWER_W,
     SIM_IDLE_TEMP_C,
     SIM_NAME,
+    SIM_POWER_LIMIT_W,
+    SIM_THROTTLE_TEMP_C,
     GpuSpec,
     Holding,
+    TaskActivity,
+    booked_activities,
+    busy_fraction,
     gpu_loads,
     gpu_memory_mb,
     parse_gpu_spec,
@@ -22,6 +28,7 @@ from m27.node_agent._gpus import (
     simulated_gpus,
     simulated_sample,
     simulated_samples,
+    task_utilization_pct,
 )
 
 
@@ -93,51 +100,151 @@ def test_gpu_loads_sum_the_shares_held_on_each_gpu() -> None:
 
 
 GPU = GpuInfo(index=0, name=SIM_NAME, uuid="SIM-n-0", memory_total_mb=16000, simulated=True)
+MIB = 1024 * 1024
 
 
-@pytest.mark.parametrize(("load", "util", "mem"), [
-    (0.0, 0.0, 0), (0.5, 50.0, 8000), (1.0, 100.0, 16000), (1.7, 100.0, 16000),
+def activity(busy: float, share: float = 1.0, gpu_ids: tuple[int, ...] = (0,),
+             rss: tuple[tuple[int, int], ...] = (), task: str = "r/s",
+             measured: bool = True) -> TaskActivity:
+    return TaskActivity(task_id=task, attempt=1, gpu_ids=gpu_ids, share=share, busy=busy,
+                        rss=rss, measured=measured)
+
+
+@pytest.mark.parametrize(("activities", "util"), [
+    ([], 0.0),
+    ([activity(0.0, share=0.5)], 0.0),  # sleeping (I/O): its share stays idle
+    ([activity(1.0, share=0.5)], 50.0),  # busy: its whole share
+    ([activity(0.4, share=0.5)], 20.0),
+    ([activity(1.0, share=0.5), activity(1.0, share=0.3)], 80.0),
+    ([activity(1.0), activity(1.0, share=0.5)], 100.0),  # capped
+    ([activity(3.0)], 100.0),  # busy is a fraction: more than 1 counts as 1
+    ([activity(1.0, gpu_ids=(1,))], 0.0),  # on another GPU
 ])
-def test_simulated_utilization_and_memory_follow_the_load(load: float, util: float,
-                                                          mem: int) -> None:
-    sample = simulated_sample(GPU, load, previous=None, dt_s=0.0)
-    assert (sample.utilization_pct, sample.memory_used_mb) == (util, mem)
-    assert sample.temperature_c == SIM_IDLE_TEMP_C
-    assert sample.power_w is not None
+def test_simulated_utilization_is_share_times_what_the_task_does(
+        activities: list[TaskActivity], util: float) -> None:
+    assert simulated_sample(GPU, activities, None, 0.0).utilization_pct == util
+
+
+def test_simulated_memory_is_the_resident_memory_of_the_tasks_processes() -> None:
+    two_gpus = activity(1.0, gpu_ids=(0, 1), rss=((10, 400 * MIB), (11, 200 * MIB)),
+                        task="r/a")
+    one_gpu = activity(0.0, share=0.5, rss=((20, 1000 * MIB),), task="r/b")
+    sample = simulated_sample(GPU, [two_gpus, one_gpu], None, 0.0)
+    assert sample.processes == (
+        GpuProcess(pid=10, memory_mb=200, task_id="r/a", attempt=1),  # spread over 2 GPUs
+        GpuProcess(pid=11, memory_mb=100, task_id="r/a", attempt=1),
+        GpuProcess(pid=20, memory_mb=1000, task_id="r/b", attempt=1),
+    )
+    assert sample.memory_used_mb == 1300
+    assert sample.memory_total_mb == 16000
+
+
+def test_memory_of_unmeasured_tasks_is_their_booked_share_and_never_over_the_gpu() -> None:
+    assert simulated_sample(GPU, [activity(1.0, share=0.5, measured=False)], None,
+                            0.0).memory_used_mb == 8000
+    huge = activity(1.0, rss=((1, 10**6 * MIB),))
+    assert simulated_sample(GPU, [huge], None, 0.0).memory_used_mb == 16000
+
+
+def test_every_simulated_reading_says_simulated() -> None:
+    sample = simulated_sample(GPU, [activity(1.0)], None, 0.0)
+    assert sample.simulated
+    assert sample.power_limit_w == SIM_POWER_LIMIT_W
+
+
+def run(busy: float, samples: int, previous: GpuSample | None = None,
+        dt: float = 5.0) -> list[GpuSample]:
+    found = []
+    for _ in range(samples):
+        previous = simulated_sample(GPU, [activity(busy)], previous, dt)
+        found.append(previous)
+    return found
 
 
 def test_simulated_temperature_rises_gradually_under_load_and_cools_when_idle() -> None:
-    temps = []
-    previous: GpuSample | None = None
-    for _ in range(60):
-        previous = simulated_sample(GPU, 1.0, previous, dt_s=5.0)
-        temps.append(previous.temperature_c)
+    temps = [s.temperature_c for s in run(1.0, 60)]
     assert temps[0] == SIM_IDLE_TEMP_C
     assert all(b > a for a, b in itertools.pairwise(temps[1:21]))
-    assert temps[1] - temps[0] < 15, "one sample must not jump most of the way"
+    assert temps[1] - SIM_IDLE_TEMP_C == pytest.approx(0.3 * 50, abs=0.01), "30 % per 5 s"
     assert SIM_BUSY_TEMP_C - 1 < temps[-1] <= SIM_BUSY_TEMP_C
-    cooled = simulated_sample(GPU, 0.0, previous, dt_s=5.0)
-    assert cooled.temperature_c < temps[-1]
+    hot = run(1.0, 60)[-1]
+    cooled = [s.temperature_c for s in run(0.0, 10, hot)]
+    assert all(b < a for a, b in itertools.pairwise([hot.temperature_c, *cooled]))
 
 
-@given(load=st.floats(min_value=-1, max_value=10, allow_nan=False),
+def test_the_thermal_step_scales_with_the_interval() -> None:
+    """Two 2.5 s samples warm a GPU as much as one 5 s sample."""
+    five = run(1.0, 2, dt=5.0)[-1].temperature_c
+    half = run(1.0, 3, dt=2.5)[-1].temperature_c
+    assert half == pytest.approx(five, abs=0.01)
+
+
+def test_a_hot_gpu_throttles_thermal_and_a_full_one_at_its_power_limit() -> None:
+    readings = run(1.0, 30)
+    assert readings[0].throttle == ("power",)
+    assert readings[0].power_w == SIM_POWER_LIMIT_W
+    first_hot = next(i for i, s in enumerate(readings) if "thermal" in s.throttle)
+    assert readings[first_hot].temperature_c >= SIM_THROTTLE_TEMP_C
+    assert readings[first_hot - 1].temperature_c < SIM_THROTTLE_TEMP_C
+    assert 5 <= first_hot <= 15
+    half = run(0.5, 30)
+    assert all(s.throttle == () for s in half)  # 60 °C and 170 W: neither limit
+    assert half[-1].power_w == pytest.approx(SIM_IDLE_POWER_W + 0.5 * 260)
+
+
+def test_simulated_energy_integrates_power_over_the_intervals() -> None:
+    idle = run(0.0, 3)
+    assert [s.energy_j for s in idle] == [0.0, 200.0, 400.0]  # 40 W x 5 s
+    busy = simulated_sample(GPU, [activity(1.0)], idle[-1], 10.0)
+    assert busy.energy_j == pytest.approx(400.0 + (40 + 300) / 2 * 10)
+
+
+@given(busy=st.floats(min_value=-1, max_value=10, allow_nan=False),
+       share=st.floats(min_value=0, max_value=1),
        previous_temp=st.floats(min_value=SIM_IDLE_TEMP_C, max_value=SIM_BUSY_TEMP_C),
-       dt=st.floats(min_value=0, max_value=1e6, allow_nan=False))
-def test_simulated_readings_stay_in_physical_bounds(load: float, previous_temp: float,
-                                                    dt: float) -> None:
+       dt=st.floats(min_value=0, max_value=1e6, allow_nan=False),
+       rss=st.integers(min_value=0, max_value=2**50))
+def test_simulated_readings_stay_in_physical_bounds(busy: float, share: float,
+                                                    previous_temp: float, dt: float,
+                                                    rss: int) -> None:
     previous = GpuSample(index=0, utilization_pct=0, memory_used_mb=0,
-                         temperature_c=previous_temp)
-    sample = simulated_sample(GPU, load, previous, dt)
+                         temperature_c=previous_temp, power_w=40.0, energy_j=5.0)
+    sample = simulated_sample(GPU, [activity(busy, share, rss=((7, rss),))], previous, dt)
     assert 0 <= sample.utilization_pct <= 100
     assert 0 <= sample.memory_used_mb <= GPU.memory_total_mb
     assert SIM_IDLE_TEMP_C - 0.01 <= sample.temperature_c <= SIM_BUSY_TEMP_C + 0.01
+    assert SIM_IDLE_POWER_W <= (sample.power_w or 0) <= SIM_POWER_LIMIT_W
+    assert (sample.energy_j or 0) >= 5.0
 
 
 def test_simulated_samples_cover_every_gpu_in_order() -> None:
     gpus = simulated_gpus("n", GpuSpec(mode="sim", count=3, memory_mb=1000))
-    samples = simulated_samples(gpus, {1: 0.5}, {}, 0.0)
+    samples = simulated_samples(gpus, [activity(1.0, share=0.5, gpu_ids=(1,))], {}, 0.0)
     assert [s.index for s in samples] == [0, 1, 2]
     assert [s.utilization_pct for s in samples] == [0.0, 50.0, 0.0]
+
+
+@pytest.mark.parametrize(("cpu", "before", "dt", "age", "expected"), [
+    (10.0, 5.0, 5.0, 100.0, 1.0),  # one full CPU since the last sample
+    (10.0, 9.0, 5.0, 100.0, 0.2),
+    (10.0, 10.0, 5.0, 100.0, 0.0),  # asleep
+    (40.0, 10.0, 5.0, 100.0, 1.0),  # several cores: capped at one
+    (5.0, 10.0, 5.0, 100.0, 0.0),  # a member left the group: never negative
+    (2.0, None, 5.0, 4.0, 0.5),  # first sample: since the task started
+    (2.0, None, 5.0, 0.0, 0.0),
+    (2.0, 1.0, 0.0, 4.0, 0.0),
+])
+def test_busy_fraction(cpu: float, before: float | None, dt: float, age: float,
+                       expected: float) -> None:
+    assert busy_fraction(cpu, before, dt, age) == pytest.approx(expected)
+
+
+def test_booked_activities_model_unmeasured_tasks_busy_at_their_share() -> None:
+    found = booked_activities([Holding(gpu_ids=(0, 1), gpu_share=2.0),
+                               Holding(gpu_ids=(), gpu_share=0.0)])
+    assert found == [TaskActivity(task_id="", attempt=0, gpu_ids=(0, 1), share=1.0,
+                                  busy=1.0, measured=False)]
+    assert task_utilization_pct(found[0]) == 100.0
 
 
 @pytest.mark.parametrize(("ids", "share", "requested", "expected"), [
