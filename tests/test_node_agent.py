@@ -692,3 +692,22 @@ async def test_an_agent_kills_its_task_once_the_task_is_assigned_elsewhere(
     assert exited.cause == "fenced"
     assert "attempt 1 is stale: attempt 2 is assigned to replacement" in exited.reason
     await wait_dead(pid)
+
+
+async def test_gpu_memory_left_behind_by_an_ended_task_is_reported_and_cleaned(
+        agent: ServiceProcess, bus: Bus, watch: Watch, m27_home: Path) -> None:
+    """A process that escaped its task's group (setsid) and still holds (simulated) GPU
+    memory after the task ended is a leak: reported, and killed since it is provably ours."""
+    cmd = start_cmd('setsid "$M27_PYTHON" -c "import time; x = bytearray(40 << 20); '
+                    'x[::4096] = b\\"1\\" * len(x[::4096]); time.sleep(300)" & '
+                    'echo $! > orphan.pid; sleep 1', step_type="gpu_light", gpu_ids=(1,),
+                    gpu_share=0.5)
+    await send(bus, cmd)
+    orphan = int(await wait_file(workdir(m27_home, cmd) / "orphan.pid"))
+    await watch.wait_for(events.TaskExited, of(cmd))
+    assert pid_alive(orphan)  # it left the group: killing the group did not reach it
+    leak = await watch.wait_for(events.GpuMemoryLeak, lambda e: e.task_id == cmd.task_id,
+                                timeout=20)
+    assert (leak.gpu_index, leak.cleaned, leak.node_id) == (1, True, NODE)
+    assert orphan in leak.pids
+    await wait_dead(orphan)
