@@ -220,7 +220,10 @@ def _step_lines(step: StepRecord) -> list[str]:
     lines = [f"  {step.name:<24} {step.type:<9} {step.state:<9} {step.node_id or '':<10}"
              f"{gpu}{sim}{code}{attempt} {took}".rstrip()]
     if step.started_at:
-        lines.append(f"      started {when(step.started_at)}, ended {when(step.ended_at)}")
+        energy = (f", GPU energy {step.energy_j / 1000:.2f} kJ"
+                  + (" (simulated)" if step.gpu_simulated else "")) if step.energy_j else ""
+        lines.append(f"      started {when(step.started_at)}, ended {when(step.ended_at)}"
+                     f"{energy}")
     if step.cached_from:
         lines.append(f"      reused the results of {step.cached_from}")
     elif step.reason and step.state != "succeeded":

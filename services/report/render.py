@@ -30,7 +30,8 @@ assert set(SUMMARY_ORDER) == set(get_args(StepState)), "a step state is missing"
 #: Steps whose output is shown unfolded: the ones a reader opens the report for.
 OPEN_STATES: Final = frozenset({"failed"})
 _TABLE_HEAD: Final = (
-    "Step", "Type", "State", "Node", "GPUs", "Attempt", "Started", "Duration", "Exit", "Reason",
+    "Step", "Type", "State", "Node", "GPUs", "Attempt", "Started", "Duration", "GPU energy",
+    "Exit", "Reason",
 )
 
 
@@ -122,6 +123,7 @@ def _step_row(index: int, step: StepRecord) -> str:
         f'<td class="num">{step.attempt}</td>',
         f'<td class="time">{_time(step.started_at)}</td>',
         f'<td class="num">{fmt_span(step.started_at, step.ended_at)}</td>',
+        f'<td class="num">{_energy(step)}</td>',
         f'<td class="num">{_exit_code(step.exit_code)}</td>',
         f"<td>{esc(step.reason) if step.reason else NO_VALUE}</td>",
     ]
@@ -138,6 +140,15 @@ def gpus_cell(step: StepRecord) -> str:
     noun = "GPU" if len(step.gpu_ids) <= 1 else "GPUs"
     share = f' <span class="muted">· share {step.gpu_share:g}</span>' if step.gpu_share else ""
     return f"{noun} {ids}{share}{sim}"
+
+
+def _energy(step: StepRecord) -> str:
+    """Its share of its GPUs' energy; modelled, and marked so, on simulated GPUs."""
+    if not step.energy_j:
+        return NO_VALUE
+    value = f"{step.energy_j / 1000:.1f} kJ" if step.energy_j >= 1000 else \
+        f"{step.energy_j:.0f} J"
+    return value + (" (simulated)" if step.gpu_simulated else "")
 
 
 def _exit_code(code: int | None) -> str:

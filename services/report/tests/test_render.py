@@ -303,3 +303,14 @@ def test_an_unknown_creation_time_is_not_shown_as_1970() -> None:
     document = render(run(created_at=0.0, started_at=None, ended_at=None))
     assert "1970" not in document
     assert "<dt>Created</dt><dd>—</dd>" in document
+
+
+def test_gpu_energy_is_shown_and_marked_simulated_when_modelled() -> None:
+    record = run(finished("train", energy_j=2500.0, gpu_simulated=True, gpu_ids=(0,),
+                          gpu_share=1.0),
+                 finished("measured", energy_j=420.0),
+                 finished("prep"))
+    document = render(record)
+    assert "2.5 kJ (simulated)" in document
+    assert "420 J" in document
+    assert "420 J (simulated)" not in document
