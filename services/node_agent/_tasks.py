@@ -149,6 +149,7 @@ def task_env(base: Mapping[str, str], cmd: StartTask, node: NodeContext,
         if node.mps:
             env.update(mps_env(share, memory_mb, len(cmd.gpu_ids)))
     env["M27_PHASE_FILE"] = str(paths.phase_file)
+    env["M27_CHECKPOINT_SIGNAL"] = cmd.checkpoint_signal
     if cmd.checkpoint_interval_s is not None:
         env["M27_CHECKPOINT_INTERVAL"] = f"{cmd.checkpoint_interval_s:g}"
     if node.checkpoint_store:

@@ -1,0 +1,182 @@
+"""Durable, verified storage of checkpoint chunks and manifests on a directory (local disk,
+NAS or Lustre), and the store interface the training library writes through.
+
+`ChunkDir` is the content-addressed chunk directory the checkpoint-store serves from and a
+standalone training run (no services) writes into: `<root>/chunks/ab/abcdef…`, each written
+to a temporary file, fsynced, renamed into place and its directory fsynced; every read is
+verified against the chunk's id (its sha256). `LocalStore` adds manifests as JSON files
+committed the same way — a manifest is written only after all its chunks are durable, so
+a crash at any point leaves the previous checkpoint intact and visible.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Final, Protocol
+
+import msgspec
+
+from m27.common.checkpoint_format import CorruptChunk, Manifest, is_chunk_id, sha256
+
+TMP_PREFIX: Final = ".tmp-"
+
+
+class CheckpointSink(Protocol):
+    """What the training library needs of a store (the checkpoint-store or a directory).
+    Called from background threads; each call is durable when it returns."""
+
+    def missing(self, chunk_ids: Sequence[str]) -> set[str]: ...
+
+    def put_chunks(self, chunks: Mapping[str, bytes]) -> None: ...
+
+    def commit(self, manifest: Manifest) -> Manifest: ...
+
+    def latest(self, task_id: str) -> Manifest | None: ...
+
+    def list(self, task_id: str) -> list[Manifest]: ...
+
+    def read_chunk(self, chunk_id: str) -> bytes: ...
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_durably(path: Path, data: bytes) -> None:
+    """Temp file in the same directory, fsync, rename, fsync the directory."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{TMP_PREFIX}{path.name}.{secrets.token_hex(4)}")
+    try:
+        with tmp.open("wb") as file:
+            file.write(data)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(tmp, path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+    fsync_dir(path.parent)
+
+
+class ChunkDir:
+    """Content-addressed chunks under `<root>/chunks`, verified on every read."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root / "chunks"
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    def path(self, chunk_id: str) -> Path:
+        if not is_chunk_id(chunk_id):
+            raise ValueError(f"not a chunk id: {chunk_id[:80]!r}")
+        return self.root / chunk_id[:2] / chunk_id
+
+    def has(self, chunk_id: str) -> bool:
+        return self.path(chunk_id).is_file()
+
+    def put(self, chunk_id: str, data: bytes) -> bool:
+        """Store a chunk (verified against its id); False if it was there already."""
+        if sha256(data) != chunk_id:
+            raise CorruptChunk(f"chunk {chunk_id[:12]} does not match its bytes")
+        target = self.path(chunk_id)
+        if target.is_file():
+            return False
+        write_durably(target, data)
+        return True
+
+    def get(self, chunk_id: str) -> bytes:
+        """The chunk's bytes; CorruptChunk if they no longer match their id."""
+        fd = os.open(self.path(chunk_id), os.O_RDONLY | os.O_NOFOLLOW)
+        with os.fdopen(fd, "rb") as file:
+            data = file.read()
+        if sha256(data) != chunk_id:
+            raise CorruptChunk(f"chunk {chunk_id[:12]} is corrupt on disk")
+        return data
+
+    def ids(self) -> Iterable[str]:
+        for folder in self.root.iterdir():
+            if folder.is_dir():
+                for file in folder.iterdir():
+                    if is_chunk_id(file.name):
+                        yield file.name
+
+    def delete(self, chunk_id: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self.path(chunk_id).unlink()
+
+    def age_s(self, chunk_id: str, now: float) -> float:
+        try:
+            return now - self.path(chunk_id).stat().st_mtime
+        except FileNotFoundError:
+            return 0.0
+
+
+def new_checkpoint_id(now: float) -> str:
+    """`c-<unix ms, 13 digits>-<6 hex>`: sorts by commit time."""
+    return f"c-{int(now * 1000):013d}-{secrets.token_hex(3)}"
+
+
+class LocalStore:
+    """A checkpoint store in a directory: what a run uses without any m27 service (on a
+    laptop), with the same chunk layout as the checkpoint-store."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.chunks = ChunkDir(root)
+        self.manifests = root / "manifests"
+        self.manifests.mkdir(parents=True, exist_ok=True)
+
+    def missing(self, chunk_ids: Sequence[str]) -> set[str]:
+        return {c for c in chunk_ids if not self.chunks.has(c)}
+
+    def put_chunks(self, chunks: Mapping[str, bytes]) -> None:
+        for chunk_id, data in chunks.items():
+            self.chunks.put(chunk_id, data)
+
+    def commit(self, manifest: Manifest) -> Manifest:
+        """Make the checkpoint visible: its chunks must all be stored already."""
+        from m27.common.checkpoint_format import chunk_ids
+
+        absent = self.missing(sorted(chunk_ids(manifest)))
+        if absent:
+            raise ValueError(f"{len(absent)} chunk(s) of the checkpoint are not stored")
+        committed = msgspec.structs.replace(
+            manifest, checkpoint_id=manifest.checkpoint_id or new_checkpoint_id(time.time()))
+        write_durably(self._path(committed.task_id, committed.checkpoint_id),
+                      msgspec.json.encode(committed))
+        return committed
+
+    def _path(self, task_id: str, checkpoint_id: str) -> Path:
+        safe = task_id.replace("/", ".")
+        if not safe or safe.startswith(".") or "/" in safe or ".." in safe.split("."):
+            raise ValueError(f"not a task id: {task_id[:80]!r}")
+        return self.manifests / safe / f"{checkpoint_id}.json"
+
+    def list(self, task_id: str) -> list[Manifest]:
+        folder = self._path(task_id, "x").parent
+        if not folder.is_dir():
+            return []
+        found = []
+        for file in sorted(folder.glob("c-*.json")):
+            with contextlib.suppress(OSError, msgspec.DecodeError, msgspec.ValidationError):
+                found.append(msgspec.json.decode(file.read_bytes(), type=Manifest))
+        return found
+
+    def latest(self, task_id: str) -> Manifest | None:
+        found = self.list(task_id)
+        return found[-1] if found else None
+
+    def delete(self, task_id: str, checkpoint_id: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self._path(task_id, checkpoint_id).unlink()
+
+    def read_chunk(self, chunk_id: str) -> bytes:
+        return self.chunks.get(chunk_id)
