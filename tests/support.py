@@ -51,9 +51,12 @@ class Cluster:
             self.launch(name, module, args)
         wait_ready(list(self.processes.values()))
 
-    def launch(self, name: str, module: str, args: Sequence[str] = ()) -> ServiceProcess:
+    def launch(self, name: str, module: str, args: Sequence[str] = (),
+               env: dict[str, str] | None = None) -> ServiceProcess:
+        """Start a service; `env` adds to (or overrides) the cluster's environment, e.g. a
+        node-agent's own M27_HOME, as on a machine of its own."""
         proc = launch(name, module, ["--nats", self.nats_url, *args],
-                      log_dir=self.root / "logs", env=self.env)
+                      log_dir=self.root / "logs", env={**self.env, **(env or {})})
         self.processes[name] = proc
         return proc
 

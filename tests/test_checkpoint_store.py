@@ -1,247 +1,418 @@
-"""checkpoint-store as users run it: the real process, a real nats-server, real gRPC."""
+"""checkpoint-store as users run it: the real process, a real nats-server, real gRPC, and
+`RemoteStore` as the training library uses it."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import os
 import signal
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import grpc
+import msgspec
+import numpy as np
 import pytest
+import zstandard
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from m27.checkpoint_store import (
-    CheckpointClient,
-    CheckpointRecord,
-    CheckpointRef,
-    CheckpointTooLarge,
-    KvRecordIndex,
-)
+from m27.checkpoint_store import KvManifestIndex
+from m27.client.checkpoints import CHANNEL_OPTIONS, CheckpointClient, RemoteStore
+from m27.common import events, subjects
 from m27.common.bus import Bus
-from m27.common.grpc_server import CLIENT_OPTIONS
+from m27.common.checkpoint_api import (
+    CheckpointCorrupt,
+    CheckpointNotFound,
+    CheckpointTooLarge,
+    ChunksMissing,
+    InvalidCheckpointRequest,
+    StaleAttempt,
+)
+from m27.common.checkpoint_format import Manifest, chunk_ids, plan_entry, read_entry
+from m27.common.model import Fence
 from m27.embedded.processes import ServiceProcess, stop
 from m27.v1 import checkpoint_pb2 as pb
 from m27.v1 import checkpoint_pb2_grpc as pb_grpc
-
-if TYPE_CHECKING:
-    from m27.v1.checkpoint_pb2_grpc import CheckpointServiceAsyncStub as Stub
 
 pytestmark = pytest.mark.integration
 
 RUN = "r-20240101-120000-abc123"
 TASK = f"{RUN}/train"
-MiB = 1024 * 1024
+CHUNK = 256 * 1024
+ZSTD = zstandard.ZstdCompressor(level=3)
 Code = grpc.StatusCode
+StartService = Callable[..., ServiceProcess]
+
+
+def tensors(seed: int = 0, n: int = 400_000) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {"encoder.weight": rng.standard_normal(n).astype(np.float32),
+            "decoder.weight": rng.standard_normal(n // 2).astype(np.float32),
+            "step": np.array([seed], dtype=np.int64)}
+
+
+def plan(state: dict[str, np.ndarray], previous: Manifest | None = None, *,
+         task_id: str = TASK, attempt: int = 0,
+         step: int | None = None) -> tuple[Manifest, dict[str, bytes]]:
+    """A checkpoint of `state` the way the training library builds one."""
+    entries, chunks = [], {}
+    for name, array in state.items():
+        before = previous.entry(name) if previous else None
+        entry, new = plan_entry(name, "tensor", memoryview(array.tobytes()), before,
+                                delta=False, compressor=ZSTD, chunk_bytes=CHUNK,
+                                dtype=str(array.dtype), shape=array.shape)
+        entries.append(entry)
+        chunks.update(new)
+    return Manifest(task_id=task_id, attempt=attempt, step=step, name=f"step-{step}",
+                    entries=tuple(entries)), chunks
+
+
+def save(store: RemoteStore, manifest: Manifest, chunks: dict[str, bytes]) -> Manifest:
+    absent = store.missing(sorted(chunks))
+    store.put_chunks({k: v for k, v in chunks.items() if k in absent})
+    return store.commit(manifest)
+
+
+def restore(store: RemoteStore, manifest: Manifest) -> dict[str, bytes]:
+    fetched = store.fetch(manifest.entries)
+    return {e.name: read_entry(e, fetched.__getitem__) for e in manifest.entries}
+
+
+def raw(state: dict[str, np.ndarray]) -> dict[str, bytes]:
+    return {k: v.tobytes() for k, v in state.items()}
+
+
+def chunk_path(root: Path, chunk_id: str) -> Path:
+    return root / "chunks" / chunk_id[:2] / chunk_id
+
+
+def chunk_files(root: Path) -> set[str]:
+    return {p.name for p in (root / "chunks").glob("*/*") if not p.name.startswith(".")}
+
+
+@contextlib.contextmanager
+def remote(proc: ServiceProcess, attempt: int = 0) -> Iterator[RemoteStore]:
+    store = RemoteStore(proc.grpc_address, task_id=TASK, attempt=attempt, timeout_s=60)
+    try:
+        yield store
+    finally:
+        store.close()
 
 
 @contextlib.asynccontextmanager
-async def connect(proc: ServiceProcess) -> AsyncIterator[Stub]:
-    async with grpc.aio.insecure_channel(proc.grpc_address, options=CLIENT_OPTIONS) as channel:
-        yield pb_grpc.CheckpointServiceStub(channel)
+async def stub_of(proc: ServiceProcess) -> AsyncIterator[pb_grpc.CheckpointServiceAsyncStub]:
+    async with grpc.aio.insecure_channel(proc.grpc_address, options=CHANNEL_OPTIONS) as ch:
+        yield pb_grpc.CheckpointServiceStub(ch)
 
 
-async def put(stub: Stub, data: bytes, *, task_id: str = TASK, part: int = 256 * 1024,
-              name: str = "", attempt: int = 0) -> pb.CheckpointInfo:
-    async def requests() -> AsyncIterator[pb.PutRequest]:
-        yield pb.PutRequest(header=pb.CheckpointHeader(task_id=task_id, attempt=attempt,
-                                                       name=name))
-        for start in range(0, len(data), part):
-            yield pb.PutRequest(data=data[start:start + part])
-
-    return await stub.Put(requests(), timeout=30)
-
-
-async def get(stub: Stub, task_id: str = TASK,
-              checkpoint_id: str = "") -> tuple[pb.CheckpointInfo, list[bytes]]:
-    replies = [r async for r in stub.Get(pb.GetRequest(task_id=task_id,
-                                                       checkpoint_id=checkpoint_id),
-                                         timeout=30)]
-    assert replies
-    assert replies[0].WhichOneof("part") == "info"
-    assert all(r.WhichOneof("part") == "data" for r in replies[1:])
-    return replies[0].info, [r.data for r in replies[1:]]
-
-
-async def listed(stub: Stub, task_id: str = TASK) -> list[str]:
-    reply = await stub.List(pb.ListRequest(task_id=task_id), timeout=10)
-    return [info.checkpoint_id for info in reply.checkpoints]
-
-
-async def expect_status(code: Code, call: Callable[[], Awaitable[object]]) -> str:
-    """Await `call` (an RPC, or a coroutine consuming one); return the status details."""
-    with pytest.raises(grpc.aio.AioRpcError) as caught:
-        await call()
-    assert caught.value.code() == code, caught.value.details()
-    return caught.value.details() or ""
-
-
-def blob_path(root: Path, info: pb.CheckpointInfo) -> Path:
-    run_id, step = info.task_id.split("/")
-    return root / run_id / step / f"{info.checkpoint_id}.blob"
+def test_an_unchanged_majority_is_not_sent_again_and_restores_exactly(
+        start_service: StartService, tmp_path: Path) -> None:
+    """Two checkpoints through RemoteStore: the second, with one tensor changed, sends
+    only that tensor's chunks (seen in `missing` and in `new_bytes`); both restore to the
+    original bytes."""
+    root = tmp_path / "ckpt"
+    proc = start_service("checkpoint_store", "--root", str(root))
+    first_state = tensors(0)
+    with remote(proc) as store:
+        first_manifest, first_chunks = plan(first_state, step=100)
+        assert store.missing(sorted(first_chunks)) == set(first_chunks)
+        first = save(store, first_manifest, first_chunks)
+        assert first.new_bytes == sum(len(v) for v in first_chunks.values())
+        second_state = dict(first_state, step=np.array([1], dtype=np.int64))
+        second_state["decoder.weight"] = second_state["decoder.weight"] * np.float32(0.99)
+        manifest, chunks = plan(second_state, first, step=200)
+        changed = {r.id for e in manifest.entries if e.name != "encoder.weight"
+                   for r in e.chunks}
+        assert store.missing(sorted(changed | chunk_ids(first))) == changed
+        second = save(store, manifest, chunks)
+        assert second.new_bytes == sum(len(chunks[c]) for c in changed)
+        assert second.new_bytes < 0.4 * first.new_bytes
+        assert second.step == 200
+        assert store.latest(TASK) == second
+        assert [m.checkpoint_id for m in store.list(TASK)] == \
+            [first.checkpoint_id, second.checkpoint_id]
+        assert restore(store, store.latest(TASK)) == raw(second_state)  # type: ignore[arg-type]
+        assert restore(store, store.get_manifest(TASK, first.checkpoint_id)) == raw(first_state)
+        summaries = store.summaries(run_id=RUN)
+    assert [(s.step, s.seq, s.full, s.entries) for s in summaries] == \
+        [(100, 1, True, 3), (200, 2, True, 3)]
+    assert chunk_files(root) == chunk_ids(first) | chunk_ids(second)
 
 
-def wait_until(predicate: Callable[[], bool], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.02)
-
-
-async def test_put_in_chunks_then_get_returns_identical_bytes(start_service: Callable[...,
-                                                              ServiceProcess],
-                                                              tmp_path: Path) -> None:
-    """A multi-MiB blob sent in 256 KiB parts comes back byte for byte, in ≤1 MiB chunks."""
+def test_nothing_is_visible_before_commit_and_missing_chunks_refuse_it(
+        start_service: StartService, tmp_path: Path) -> None:
     proc = start_service("checkpoint_store", "--root", str(tmp_path / "ckpt"))
-    data = os.urandom(5 * MiB + 12345)
-    async with connect(proc) as stub:
-        info = await put(stub, data, name="epoch-3", attempt=2)
-        assert info.size_bytes == len(data)
-        assert info.sha256 == hashlib.sha256(data).hexdigest()
-        assert (info.task_id, info.name, info.attempt) == (TASK, "epoch-3", 2)
-        got, chunks = await get(stub, TASK, info.checkpoint_id)
-    assert got == info
-    assert b"".join(chunks) == data
-    assert max(map(len, chunks)) == MiB
-    assert blob_path(tmp_path / "ckpt", info).read_bytes() == data
+    with remote(proc) as store:
+        manifest, chunks = plan(tensors(1))
+        half = dict(list(chunks.items())[: len(chunks) // 2])
+        store.put_chunks(half)
+        assert store.latest(TASK) is None
+        with pytest.raises(ChunksMissing, match="are not stored"):
+            store.commit(manifest)
+        assert store.list(TASK) == []
+        store.put_chunks(chunks)
+        assert store.commit(manifest).seq == 1
 
 
-async def test_list_is_oldest_first_latest_by_empty_id_and_delete(
-        start_service: Callable[..., ServiceProcess], tmp_path: Path) -> None:
-    """List orders by commit; an empty id gets the newest; Delete removes record and file."""
-    proc = start_service("checkpoint_store", "--root", str(tmp_path / "ckpt"))
-    async with connect(proc) as stub:
-        infos = [await put(stub, f"state {i}".encode()) for i in range(3)]
-        await put(stub, b"another task", task_id=f"{RUN}/eval")
-        ids = [i.checkpoint_id for i in infos]
-        assert await listed(stub) == ids
-        latest, chunks = await get(stub)
-        assert latest.checkpoint_id == ids[-1]
-        assert chunks == [b"state 2"]
-        reply = await stub.Delete(pb.DeleteRequest(task_id=TASK, checkpoint_id=ids[-1]))
-        assert reply.deleted is True
-        assert not blob_path(tmp_path / "ckpt", infos[-1]).exists()
-        assert await listed(stub) == ids[:-1]
-        assert (await get(stub))[0].checkpoint_id == ids[1]
-        await expect_status(Code.NOT_FOUND, lambda: get(stub, TASK, ids[-1]))
-        again = await stub.Delete(pb.DeleteRequest(task_id=TASK, checkpoint_id=ids[-1]))
-        assert again.deleted is False
+async def test_a_flipped_byte_is_data_loss_and_latest_falls_back_with_an_event(
+        start_service: StartService, tmp_path: Path, nats_url: str) -> None:
+    """Reading the damaged chunk ends GetChunks with DATA_LOSS naming it; the next
+    `latest` hands out the previous checkpoint and publishes `checkpoint_corrupt`."""
+    root = tmp_path / "ckpt"
+    proc = start_service("checkpoint_store", "--root", str(root))
+    bus = await Bus.open(nats_url, name="test-checkpoint-events")
+    seen: list[events.Event] = []
+
+    async def on_event(msg: object) -> None:
+        seen.append(events.decode_event(msg.data))  # type: ignore[attr-defined]
+
+    await bus.nc.subscribe(subjects.task_events(RUN, "train"), cb=on_event)
+    try:
+        with remote(proc) as store:
+            good = await asyncio.to_thread(save, store, *plan(tensors(2)))
+            bad_manifest, bad_chunks = plan(tensors(3), good)
+            bad = await asyncio.to_thread(save, store, bad_manifest, bad_chunks)
+            victim = bad.entries[0].chunks[1].id
+            path = chunk_path(root, victim)
+            damaged = bytearray(path.read_bytes())
+            damaged[len(damaged) // 2] ^= 0xFF
+            path.write_bytes(bytes(damaged))
+            async with stub_of(proc) as stub:
+                got: list[str] = []
+
+                async def read() -> None:
+                    async for chunk in stub.GetChunks(pb.GetChunksRequest(
+                            ids=[r.id for r in bad.entries[0].chunks]), timeout=30):
+                        got.append(chunk.id)
+
+                assert victim in await expect(Code.DATA_LOSS, read)
+            assert got == [bad.entries[0].chunks[0].id]
+            with pytest.raises(CheckpointCorrupt, match=victim):
+                await asyncio.to_thread(restore, store, bad)
+            latest = await asyncio.to_thread(store.latest, TASK)
+            assert latest is not None
+            assert latest.checkpoint_id == good.checkpoint_id
+            assert await asyncio.to_thread(restore, store, latest) == raw(tensors(2))
+        deadline = time.monotonic() + 10
+        while not seen:
+            assert time.monotonic() < deadline, "no checkpoint_corrupt event"
+            await asyncio.sleep(0.05)
+    finally:
+        await bus.close()
+    (event,) = seen
+    assert isinstance(event, events.CheckpointCorrupt)
+    assert (event.task_id, event.checkpoint_id, event.chunk_id, event.fell_back_to) == \
+        (TASK, bad.checkpoint_id, victim, good.checkpoint_id)
 
 
-async def test_unknown_tasks_and_checkpoints_are_not_found(
-        start_service: Callable[..., ServiceProcess], tmp_path: Path) -> None:
-    proc = start_service("checkpoint_store", "--root", str(tmp_path / "ckpt"))
-    async with connect(proc) as stub:
-        assert "has no checkpoints" in await expect_status(Code.NOT_FOUND, lambda: get(stub))
-        await put(stub, b"x")
-        details = await expect_status(Code.NOT_FOUND,
-                                      lambda: get(stub, TASK, "c-0000000000001-000000"))
-        assert "c-0000000000001-000000" in details
-        assert await listed(stub, f"{RUN}/never") == []
+def test_retention_and_gc_remove_old_manifests_then_only_their_chunks(
+        start_service: StartService, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """keep_last=2, keep_every=3: after five checkpoints seq 3, 4, 5 remain; GC (grace 1s)
+    then removes the chunks only seq 1 and 2 used, and nothing a kept checkpoint needs."""
+    monkeypatch.setenv("M27_CHECKPOINT_KEEP_LAST", "2")
+    monkeypatch.setenv("M27_CHECKPOINT_KEEP_EVERY", "3")
+    monkeypatch.setenv("M27_CHECKPOINT_GC_INTERVAL", "300ms")
+    monkeypatch.setenv("M27_CHECKPOINT_GC_GRACE", "1s")
+    root = tmp_path / "ckpt"
+    proc = start_service("checkpoint_store", "--root", str(root))
+    with remote(proc) as store:
+        committed: list[Manifest] = []
+        state = tensors(4, n=100_000)
+        for i in range(5):
+            state = dict(state, step=np.array([i], dtype=np.int64))
+            committed.append(save(store, *plan(state, committed[-1] if committed else None,
+                                               step=i)))
+        assert [s.seq for s in store.summaries(TASK)] == [3, 4, 5]
+        needed = set().union(*(chunk_ids(m) for m in committed[2:]))
+        retired_only = set().union(*(chunk_ids(m) for m in committed[:2])) - needed
+        assert len(retired_only) == 2  # the two old `step` tensors
+        deadline = time.monotonic() + 20
+        while chunk_files(root) != needed:
+            assert time.monotonic() < deadline, chunk_files(root) - needed
+            time.sleep(0.1)
+        assert restore(store, committed[2]) == restore(store, store.get_manifest(
+            TASK, committed[2].checkpoint_id))
+
+
+async def test_stale_attempts_are_refused(start_service: StartService, tmp_path: Path,
+                                          nats_url: str) -> None:
+    """With the task's fence at attempt 2, attempt 1 can neither upload nor commit."""
+    root = tmp_path / "ckpt"
+    proc = start_service("checkpoint_store", "--root", str(root))
+    bus = await Bus.open(nats_url, name="test-fence")
+    try:
+        await bus.kv_put(subjects.FENCES_BUCKET, subjects.task_key(TASK),
+                         Fence(task_id=TASK, attempt=2, node_id="node-b", at=time.time()))
+    finally:
+        await bus.close()
+    manifest, chunks = plan(tensors(5, n=1000), attempt=1)
+    with remote(proc, attempt=1) as stale:
+        with pytest.raises(StaleAttempt, match=f"attempt 1 of {TASK} is stale"):
+            await asyncio.to_thread(stale.missing, sorted(chunks))
+        with pytest.raises(StaleAttempt):
+            await asyncio.to_thread(stale.put_chunks, chunks)
+        with pytest.raises(StaleAttempt):
+            await asyncio.to_thread(stale.commit, manifest)
+        with pytest.raises(StaleAttempt):
+            await asyncio.to_thread(stale.put_bytes, TASK, b"late", attempt=1)
+    assert chunk_files(root) == set()
+    with remote(proc, attempt=2) as fresh:
+        ok = await asyncio.to_thread(save, fresh, *plan(tensors(5, n=1000), attempt=2))
+        assert ok.attempt == 2
+        assert [m.attempt for m in await asyncio.to_thread(fresh.list, TASK)] == [2]
 
 
 HOSTILE_TASK_IDS = ["../../etc", "r-x/../y", "/etc/passwd", f"{RUN}//etc/passwd",
                     f"{RUN}/../../../tmp", f"{RUN}/train\n", ""]
 HOSTILE_CHECKPOINT_IDS = ["../../../../etc/passwd", "/etc/passwd", "c-1/../../x", "*", ">"]
+HOSTILE_NAMES = ["../../outside", "/etc/passwd", "a/../../b", "a\x00b"]
 
 
-async def test_hostile_ids_are_invalid_arguments_and_touch_nothing(
-        start_service: Callable[..., ServiceProcess], tmp_path: Path) -> None:
-    """Path-like task and checkpoint ids are refused by every RPC before any file access."""
+async def finish(call: Callable[[], object]) -> None:
+    """Await an RPC, or drain a streaming one, or await a coroutine consuming one."""
+    result = call()
+    if hasattr(result, "__aiter__"):
+        async for _ in result:  # type: ignore[attr-defined]
+            pass
+    else:
+        await result  # type: ignore[misc]
+
+
+async def expect(code: Code, call: Callable[[], object]) -> str:
+    """The details of the status `call` must fail with."""
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await finish(call)
+    assert caught.value.code() == code, caught.value.details()
+    return caught.value.details() or ""
+
+
+async def test_hostile_ids_and_names_are_invalid_and_touch_nothing(
+        start_service: StartService, tmp_path: Path) -> None:
     root = tmp_path / "ckpt"
     proc = start_service("checkpoint_store", "--root", str(root))
     before = sorted(p.name for p in tmp_path.iterdir())
-    async with connect(proc) as stub:
+    layout = sorted(str(p.relative_to(root)) for p in root.rglob("*"))
+    good_id = "c-0000000000001-000000"
+    async with stub_of(proc) as stub:
         for task_id in HOSTILE_TASK_IDS:
-            for call in (lambda t=task_id: put(stub, b"evil", task_id=t),
-                         lambda t=task_id: get(stub, t),
-                         lambda t=task_id: stub.List(pb.ListRequest(task_id=t)),
-                         lambda t=task_id: stub.Delete(pb.DeleteRequest(
-                             task_id=t, checkpoint_id="c-0000000000001-000000"))):
-                assert "task_id must be" in await expect_status(Code.INVALID_ARGUMENT, call)
+            calls: list[Callable[[], object]] = [
+                lambda t=task_id: stub.GetManifest(pb.GetManifestRequest(task_id=t)),
+                lambda t=task_id: stub.List(pb.ListRequest(task_id=t)),
+                lambda t=task_id: stub.Delete(pb.DeleteRequest(task_id=t,
+                                                               checkpoint_id=good_id)),
+                lambda t=task_id: stub.Commit(pb.CommitRequest(task_id=t, manifest_json="{}")),
+                lambda t=task_id: stub.PutChunks(iter([pb.PutChunksRequest(
+                    header=pb.PutChunksHeader(task_id=t))])),
+            ]
+            if task_id:  # an empty task makes MissingChunks unfenced, which is allowed
+                calls.append(lambda t=task_id: stub.MissingChunks(
+                    pb.MissingChunksRequest(task_id=t, ids=["0" * 64])))
+            for call in calls:
+                details = await expect(Code.INVALID_ARGUMENT, call)
+                assert "task_id must be" in details or "exactly one of task_id" in details
         for checkpoint_id in HOSTILE_CHECKPOINT_IDS:
-            for call in (lambda c=checkpoint_id: get(stub, TASK, c),
+            for call in (lambda c=checkpoint_id: stub.GetManifest(pb.GetManifestRequest(
+                             task_id=TASK, checkpoint_id=c)),
                          lambda c=checkpoint_id: stub.Delete(pb.DeleteRequest(
                              task_id=TASK, checkpoint_id=c))):
-                details = await expect_status(Code.INVALID_ARGUMENT, call)
-                assert "checkpoint_id must look like" in details
+                assert "checkpoint_id must look like" in \
+                    await expect(Code.INVALID_ARGUMENT, call)
+        for chunk_id in ["../../../etc/passwd", "0" * 63, "*"]:
+            for call in (lambda c=chunk_id: stub.GetChunks(pb.GetChunksRequest(ids=[c])),
+                         lambda c=chunk_id: stub.MissingChunks(
+                             pb.MissingChunksRequest(ids=[c]))):
+                assert "64 lower-case hex" in await expect(Code.INVALID_ARGUMENT, call)
+        for name in HOSTILE_NAMES:
+            entry, _ = plan_entry(name, "file", memoryview(b"x"), None, delta=False,
+                                  compressor=ZSTD)
+            manifest = Manifest(task_id=TASK, entries=(entry,))
+            text = msgspec.json.encode(manifest).decode()
+            assert "entry name" in await expect(Code.INVALID_ARGUMENT, lambda m=text: stub.Commit(
+                pb.CommitRequest(task_id=TASK, manifest_json=m)))
     assert sorted(p.name for p in tmp_path.iterdir()) == before
-    assert sorted(p.name for p in root.iterdir()) == [".tmp"]
+    assert sorted(str(p.relative_to(root)) for p in root.rglob("*")) == layout
 
 
-async def test_a_flipped_byte_on_disk_makes_get_fail_with_data_loss(
-        start_service: Callable[..., ServiceProcess], tmp_path: Path) -> None:
-    """Corrupt stored bytes are never handed over as a whole: the stream ends in DATA_LOSS."""
-    proc = start_service("checkpoint_store", "--root", str(tmp_path / "ckpt"))
-    data = os.urandom(3 * MiB)
-    async with connect(proc) as stub:
-        info = await put(stub, data)
-        path = blob_path(tmp_path / "ckpt", info)
-        raw = bytearray(path.read_bytes())
-        raw[len(raw) // 2] ^= 0xFF
-        path.write_bytes(bytes(raw))
-        received = bytearray()
-
-        async def read() -> None:
-            async for reply in stub.Get(pb.GetRequest(task_id=TASK), timeout=30):
-                received.extend(reply.data)
-
-        assert "corrupt" in await expect_status(Code.DATA_LOSS, read)
-    assert len(received) < len(data)
-
-
-async def test_records_survive_a_restart(start_service: Callable[..., ServiceProcess],
-                                         tmp_path: Path) -> None:
-    """After the service stops and starts again, its checkpoints are still listed and read."""
+def test_checkpoints_survive_a_restart(start_service: StartService, tmp_path: Path) -> None:
     root = str(tmp_path / "ckpt")
     first = start_service("checkpoint_store", "--root", root)
-    async with connect(first) as stub:
-        info = await put(stub, b"durable state" * 1000)
+    with remote(first) as store:
+        committed = save(store, *plan(tensors(6)))
     stop([first])
     second = start_service("checkpoint_store", "--root", root, name="checkpoint_store-2")
-    async with connect(second) as stub:
-        assert await listed(stub) == [info.checkpoint_id]
-        got, chunks = await get(stub)
-    assert got == info
-    assert b"".join(chunks) == b"durable state" * 1000
+    with remote(second) as store:
+        assert store.latest(TASK) == committed
+        assert restore(store, committed) == raw(tensors(6))
 
 
-async def test_a_crash_mid_put_keeps_the_previous_checkpoint(
-        start_service: Callable[..., ServiceProcess], tmp_path: Path) -> None:
-    """SIGKILL during a Put: after restart the old checkpoint is the latest, no temp is left."""
+def test_a_crash_mid_upload_keeps_the_previous_checkpoint(start_service: StartService,
+                                                          tmp_path: Path) -> None:
+    """SIGKILL while chunks stream in: after a restart the previous checkpoint is the
+    latest and restores; the interrupted chunks are at most unreferenced files."""
     root = tmp_path / "ckpt"
     first = start_service("checkpoint_store", "--root", str(root))
-    hold = asyncio.Event()
+    with remote(first) as store:
+        previous = save(store, *plan(tensors(7)))
+        _, chunks = plan(tensors(8, n=2_000_000))
 
-    async def never_ending() -> AsyncIterator[pb.PutRequest]:
-        yield pb.PutRequest(header=pb.CheckpointHeader(task_id=TASK))
-        for _ in range(3):
-            yield pb.PutRequest(data=os.urandom(MiB))
-        await hold.wait()
+        def trickle() -> Iterator[pb.PutChunksRequest]:
+            yield pb.PutChunksRequest(header=pb.PutChunksHeader(task_id=TASK))
+            for index, (chunk_id, data) in enumerate(chunks.items()):
+                if index == 3:
+                    os.kill(first.pid, signal.SIGKILL)
+                    time.sleep(0.5)
+                yield pb.PutChunksRequest(chunk=pb.Chunk(id=chunk_id, data=data))
 
-    async with connect(first) as stub:
-        previous = await put(stub, b"previous")
-        call = asyncio.ensure_future(stub.Put(never_ending()))
-        await asyncio.to_thread(wait_until, lambda: any(
-            p.stat().st_size > 0 for p in (root / ".tmp").iterdir()))
-        os.kill(first.pid, signal.SIGKILL)
-        await expect_status(Code.UNAVAILABLE, lambda: call)
-        hold.set()
+        with grpc.insecure_channel(first.grpc_address) as channel, \
+                pytest.raises(grpc.RpcError) as caught:
+            pb_grpc.CheckpointServiceStub(channel).PutChunks(trickle(), timeout=30)
+        assert caught.value.code() == Code.UNAVAILABLE  # type: ignore[attr-defined]
     second = start_service("checkpoint_store", "--root", str(root), name="checkpoint_store-2")
-    assert list((root / ".tmp").iterdir()) == []
-    async with connect(second) as stub:
-        assert await listed(stub) == [previous.checkpoint_id]
-        assert (await get(stub))[1] == [b"previous"]
+    with remote(second) as store:
+        assert [m.checkpoint_id for m in store.list(TASK)] == [previous.checkpoint_id]
+        assert restore(store, store.latest(TASK)) == raw(tensors(7))  # type: ignore[arg-type]
+
+
+def test_blobs_through_put_bytes_and_the_size_limit(start_service: StartService,
+                                                    tmp_path: Path) -> None:
+    """The opaque-blob convenience (what the failover test and file uploads use) and
+    `--max-size`: a larger upload is RESOURCE_EXHAUSTED."""
+    proc = start_service("checkpoint_store", "--root", str(tmp_path / "ckpt"),
+                         "--max-size", "2MiB")
+    data = os.urandom(2 * 1024 * 1024)
+    with remote(proc) as store:
+        stored = store.put_bytes(TASK, data, name="full", metadata={"epoch": "7"})
+        assert (stored.size_bytes, stored.metadata, stored.name) == \
+            (len(data), {"epoch": "7"}, "full")
+        again = store.put_bytes(TASK, data, name="same")
+        assert again.new_bytes == 0  # the same bytes: nothing was sent or stored again
+        manifest, payload = store.get_bytes(TASK, stored.checkpoint_id)
+        assert (manifest, payload) == (stored, data)
+        with pytest.raises(CheckpointTooLarge, match="at most 2097152 bytes"):
+            store.put_bytes(TASK, data + b"!")
+        assert store.delete(TASK, stored.checkpoint_id) is True
+        assert [m.checkpoint_id for m in store.list(TASK)] == [again.checkpoint_id]
+        with pytest.raises(CheckpointNotFound):
+            store.get_manifest(TASK, stored.checkpoint_id)
+        with pytest.raises(InvalidCheckpointRequest):
+            store.summaries(TASK, RUN)
+
+
+async def test_the_async_client(start_service: StartService, tmp_path: Path) -> None:
+    proc = start_service("checkpoint_store", "--root", str(tmp_path / "ckpt"))
+    async with grpc.aio.insecure_channel(proc.grpc_address, options=CHANNEL_OPTIONS) as ch:
+        client = CheckpointClient(ch, timeout_s=30)
+        stored = await client.put_bytes(TASK, b"state" * 1000, attempt=0, name="x")
+        got, data = await client.get_bytes(TASK)
+        assert (got, data) == (stored, b"state" * 1000)
+        assert [s.checkpoint_id for s in await client.list(run_id=RUN)] == [stored.checkpoint_id]
 
 
 async def test_reflection_lists_the_service_and_health_is_serving(
-        start_service: Callable[..., ServiceProcess], tmp_path: Path) -> None:
+        start_service: StartService, tmp_path: Path) -> None:
     proc = start_service("checkpoint_store", "--root", str(tmp_path / "ckpt"))
     async with grpc.aio.insecure_channel(proc.grpc_address) as channel:
         health = health_pb2_grpc.HealthStub(channel)
@@ -255,46 +426,28 @@ async def test_reflection_lists_the_service_and_health_is_serving(
     assert "m27.v1.CheckpointService" in names
 
 
-async def test_the_client_helper_and_the_size_limit(
-        start_service: Callable[..., ServiceProcess], tmp_path: Path) -> None:
-    """`CheckpointClient` round-trips bytes; past `--max-size` a Put is RESOURCE_EXHAUSTED."""
-    proc = start_service("checkpoint_store", "--root", str(tmp_path / "ckpt"),
-                         "--max-size", "2MiB")
-    data = os.urandom(2 * MiB)
-    async with grpc.aio.insecure_channel(proc.grpc_address, options=CLIENT_OPTIONS) as channel:
-        client = CheckpointClient(channel, timeout_s=30)
-        record = await client.put(TASK, data, name="full", metadata={"epoch": "7"})
-        assert (record.size_bytes, record.metadata) == (len(data), {"epoch": "7"})
-        got, payload = await client.get(TASK)
-        assert got == record
-        assert payload == data
-        assert [r.checkpoint_id for r in await client.list(TASK)] == [record.checkpoint_id]
-        with pytest.raises(CheckpointTooLarge, match="at most 2097152 bytes"):
-            await client.put(TASK, data + b"!")
-        assert await client.delete(TASK, record.checkpoint_id) is True
-        assert await client.list(TASK) == []
-
-
 async def test_the_kv_index_lists_one_task_among_many(nats_url: str) -> None:
-    """Listing filters on the server: other tasks and deleted records never show up, and
-    more records than the watcher's queue holds (256) all arrive."""
+    """Listing filters on the server: other tasks and deleted manifests never show up, and
+    more manifests than a watcher's queue holds (256) all arrive."""
     bus = await Bus.open(nats_url, name="test-checkpoint-index")
     try:
-        index = KvRecordIndex(bus)
+        index = KvManifestIndex(bus)
 
-        def record(step: str, n: int) -> CheckpointRecord:
-            return CheckpointRecord(task_id=f"{RUN}/{step}",
-                                    checkpoint_id=f"c-{n:013d}-abcdef", attempt=0, name="",
-                                    size_bytes=n, sha256="0" * 64, created_at=n / 1000)
+        def manifest(step: str, n: int) -> Manifest:
+            return Manifest(task_id=f"{RUN}/{step}", checkpoint_id=f"c-{n:013d}-abcdef",
+                                  seq=n)
 
-        await asyncio.gather(*(index.put(record("train", n)) for n in range(1, 301)))
-        await asyncio.gather(*(index.put(record(step, 1)) for step in ("eval", "train2")))
+        await asyncio.gather(*(index.put(manifest("train", n)) for n in range(1, 301)))
+        await asyncio.gather(*(index.put(manifest(step, 1)) for step in ("eval", "train2")))
+        from m27.checkpoint_store._ids import CheckpointRef
+        from m27.checkpoint_store._index import ALL_KEYS, task_pattern
+
         await index.delete(CheckpointRef(RUN, "train", "c-0000000000007-abcdef"))
-        listed_records = await index.list(RUN, "train")
-        assert sorted(r.size_bytes for r in listed_records) == [
-            n for n in range(1, 301) if n != 7]
-        assert await index.list(RUN, "missing") == []
-        assert await index.get(CheckpointRef(RUN, "train", "c-0000000000007-abcdef")) is None
-        assert await index.get(record("eval", 1).ref) == record("eval", 1)
+        listed = await index.list(task_pattern(RUN, "train"))
+        assert sorted(m.seq for m in listed) == [n for n in range(1, 301) if n != 7]
+        assert await index.list(task_pattern(RUN, "missing")) == []
+        assert len(await index.list(ALL_KEYS, strict=True)) == 301
+        assert await index.get(CheckpointRef(RUN, "eval", "c-0000000000001-abcdef")) == \
+            manifest("eval", 1)
     finally:
         await bus.close()

@@ -18,8 +18,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from m27.checkpoint_store.client import CheckpointClient
 from m27.client import Client
+from m27.client.checkpoints import CheckpointClient
 from m27.common import events, subjects
 from m27.common.bus import Bus
 from m27.common.model import RunRecord, StepRecord
@@ -195,8 +195,8 @@ async def test_a_frozen_agents_stale_attempt_is_killed_and_its_writes_refused(
     async with grpc.aio.insecure_channel(checkpoint_address) as channel:
         stale = CheckpointClient(channel)
         with pytest.raises(Exception, match=r"attempt 1 of .* is stale"):
-            await stale.put(task, b"from the frozen node", attempt=1, name="late")
-        fresh = await stale.put(task, b"from the replacement", attempt=2, name="ok")
+            await stale.put_bytes(task, b"from the frozen node", attempt=1, name="late")
+        fresh = await stale.put_bytes(task, b"from the replacement", attempt=2, name="ok")
         assert fresh.attempt == 2
     os.kill(frozen.pid, signal.SIGCONT)
     run = await finished(client, run_id)

@@ -386,6 +386,30 @@ async def test_a_group_that_ignores_sigterm_is_killed_after_the_grace(
     await wait_dead(child, timeout=2)
 
 
+CHECKPOINTS_ON_SIGTERM = (
+    "\"$M27_PYTHON\" -c 'import pathlib, signal, sys, time\n"
+    "def save(*_):\n time.sleep(1); pathlib.Path(\"saved\").write_text(\"yes\"); sys.exit(0)\n"
+    "signal.signal(signal.SIGTERM, save)\npathlib.Path(\"ready\").write_text(\"1\")\n"
+    "time.sleep(300)'; echo the shell does not exec the program")
+
+
+async def test_a_program_that_outlives_its_shell_gets_the_whole_grace_to_checkpoint(
+        agent: ServiceProcess, bus: Bus, watch: Watch, m27_home: Path) -> None:
+    """The shell dies of SIGTERM at once; the program it started takes a second to write
+    its checkpoint. The grace period is the group's, so it is not SIGKILLed meanwhile."""
+    cmd = start_cmd(CHECKPOINTS_ON_SIGTERM)
+    await send(bus, cmd)
+    started = await watch.wait_for(events.TaskStarted, of(cmd))
+    work = workdir(m27_home, cmd)
+    await wait_file(work / "ready")
+    await send(bus, events.StopTask(at=time.time(), task_id=cmd.task_id, attempt=1,
+                                    grace_s=20, reason="preempted"))
+    exited = await watch.wait_for(events.TaskExited, of(cmd))
+    assert (work / "saved").read_text() == "yes"
+    assert "SIGKILL" not in exited.reason
+    await wait_dead(started.pid, timeout=2)
+
+
 async def test_what_a_step_leaves_behind_is_killed_when_it_exits(
         agent: ServiceProcess, bus: Bus, watch: Watch, m27_home: Path) -> None:
     cmd = start_cmd("sleep 300 & echo $! > child.pid; exit 0")
@@ -640,6 +664,24 @@ async def test_the_checkpoint_interval_becomes_periodic_requests(
         assert time.monotonic() < deadline, "no periodic checkpoint requests"
         await asyncio.sleep(0.1)
     assert set((work / "signals.txt").read_text().split()) == {"ckpt"}
+    await send(bus, events.StopTask(at=time.time(), task_id=cmd.task_id, attempt=1,
+                                    grace_s=1))
+    await watch.wait_for(events.TaskExited, of(cmd))
+
+
+async def test_a_step_with_checkpoint_signal_none_is_never_signalled(
+        agent: ServiceProcess, bus: Bus, watch: Watch, m27_home: Path) -> None:
+    cmd = start_cmd(SIGNAL_COUNTER, checkpoint_interval_s=0.3, checkpoint_signal="none")
+    await send(bus, cmd)
+    await watch.wait_for(events.TaskStarted, of(cmd))
+    work = workdir(m27_home, cmd)
+    await wait_file(work / "ticks.txt")
+    await send(bus, events.CheckpointTask(at=time.time(), task_id=cmd.task_id, attempt=1))
+    await asyncio.sleep(1.5)  # five intervals and a request
+    assert not (work / "signals.txt").exists()
+    first = await ticks(work / "ticks.txt")
+    await asyncio.sleep(0.3)
+    assert await ticks(work / "ticks.txt") > first  # alive and working
     await send(bus, events.StopTask(at=time.time(), task_id=cmd.task_id, attempt=1,
                                     grace_s=1))
     await watch.wait_for(events.TaskExited, of(cmd))

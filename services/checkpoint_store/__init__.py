@@ -1,47 +1,41 @@
-"""checkpoint-store: stores and returns checkpoint blobs per task, over gRPC.
+"""checkpoint-store: checkpoints of tasks as content-addressed chunks plus manifests, over gRPC.
 
-`python -m m27.checkpoint_store` runs the service. Other code uses `CheckpointClient`
-(async, domain types) or the generated `m27.v1` stub; nothing here is imported by other
-services. Storage sits behind `BlobStore` so a chunked/compressed layout can replace the
-plain files later.
+`python -m m27.checkpoint_store` runs the service. Other code reaches it through
+`m27.client.checkpoints` (`RemoteStore`, sync, a `CheckpointSink` for the training library
+and the node-agent; `CheckpointClient`, async) with the contract in
+`m27.common.checkpoint_api`; nothing here is imported by other services.
+Chunks live in a directory (`ChunkStore`, local disk or NAS/Lustre), manifests in NATS KV
+(`KvManifestIndex`); the decisions (manifest validation, retention, mark/sweep) are pure.
 """
 
-from m27.checkpoint_store._blobs import BlobStore, FileBlobStore
-from m27.checkpoint_store._errors import (
-    CheckpointCorrupt,
-    CheckpointNotFound,
-    CheckpointStoreError,
-    CheckpointTooLarge,
-    InvalidCheckpointRequest,
-    StorageError,
-    StorageFull,
-    StorageUnavailable,
-)
+from m27.checkpoint_store._chunks import ChunkStore
 from m27.checkpoint_store._ids import CheckpointRef, is_valid_checkpoint_id
-from m27.checkpoint_store._index import KvRecordIndex, MemoryRecordIndex, RecordIndex
-from m27.checkpoint_store._model import CheckpointRecord, Header
+from m27.checkpoint_store._index import KvManifestIndex, ManifestIndex, MemoryManifestIndex
+from m27.checkpoint_store._manifests import decode_manifest
+from m27.checkpoint_store._retention import (
+    RetentionDecision,
+    RetentionPolicy,
+    SweepDecision,
+    choose_retained,
+    mark,
+    sweep,
+)
 from m27.checkpoint_store._store import DEFAULT_MAX_BYTES, CheckpointStore
-from m27.checkpoint_store.client import CheckpointClient
 
 __all__ = [
     "DEFAULT_MAX_BYTES",
-    "BlobStore",
-    "CheckpointClient",
-    "CheckpointCorrupt",
-    "CheckpointNotFound",
-    "CheckpointRecord",
     "CheckpointRef",
     "CheckpointStore",
-    "CheckpointStoreError",
-    "CheckpointTooLarge",
-    "FileBlobStore",
-    "Header",
-    "InvalidCheckpointRequest",
-    "KvRecordIndex",
-    "MemoryRecordIndex",
-    "RecordIndex",
-    "StorageError",
-    "StorageFull",
-    "StorageUnavailable",
+    "ChunkStore",
+    "KvManifestIndex",
+    "ManifestIndex",
+    "MemoryManifestIndex",
+    "RetentionDecision",
+    "RetentionPolicy",
+    "SweepDecision",
+    "choose_retained",
+    "decode_manifest",
     "is_valid_checkpoint_id",
+    "mark",
+    "sweep",
 ]

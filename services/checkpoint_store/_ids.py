@@ -1,18 +1,20 @@
-"""Checkpoint ids, and how a checkpoint maps to its KV key and its blob's path (pure).
+"""Task, run, checkpoint and chunk ids, and how a checkpoint maps to its KV key (pure).
 
 Every id that reaches the disk or the KV passes through here first. The patterns admit
-only `[A-Za-z0-9_-]` (and the fixed `c-` form), so no user input can ever form `..`, `/`,
-an absolute path or a KV wildcard.
+only `[A-Za-z0-9_-]` (and the fixed `c-` and 64-hex forms), so no user input can ever form
+`..`, `/`, an absolute path or a KV wildcard.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from typing import Final
 
 import msgspec
 
-from m27.checkpoint_store._errors import InvalidCheckpointRequest
+from m27.common.checkpoint_api import InvalidCheckpointRequest
+from m27.common.checkpoint_format import is_chunk_id
 from m27.common.ids import split_task_id
 
 # Patterns are ASCII-only and used with fullmatch: `$` alone also matches before a final
@@ -21,8 +23,8 @@ from m27.common.ids import split_task_id
 CHECKPOINT_ID_RE: Final = re.compile(r"c-([0-9]{13})-[0-9a-f]{6}")
 TOKEN_RE: Final = re.compile(r"[0-9a-f]{6}")
 #: Checked on top of `split_task_id`, whose patterns accept a trailing newline.
-TASK_ID_RE: Final = re.compile(r"r-[0-9]{8}-[0-9]{6}-[0-9a-f]{6}/[A-Za-z0-9][A-Za-z0-9_-]{0,99}")
-BLOB_SUFFIX: Final = ".blob"
+RUN_ID_RE: Final = re.compile(r"r-[0-9]{8}-[0-9]{6}-[0-9a-f]{6}")
+TASK_ID_RE: Final = re.compile(rf"{RUN_ID_RE.pattern}/[A-Za-z0-9][A-Za-z0-9_-]{{0,99}}")
 _SHOWN_CHARS: Final = 80
 
 
@@ -42,10 +44,6 @@ class CheckpointRef(msgspec.Struct, frozen=True):
         """The KV key of the record: `<run_id>.<step>.<checkpoint_id>`."""
         return f"{task_prefix(self.run_id, self.step)}{self.checkpoint_id}"
 
-    @property
-    def blob_parts(self) -> tuple[str, str, str]:
-        """The blob's path below the root, one component each: run, step, file."""
-        return self.run_id, self.step, f"{self.checkpoint_id}{BLOB_SUFFIX}"
 
 
 def shown(value: str) -> str:
@@ -91,6 +89,25 @@ def parse_task_id(task_id: str) -> tuple[str, str]:
             f"got {shown(task_id)}") from None
 
 
+def parse_run_id(run_id: str) -> str:
+    if not RUN_ID_RE.fullmatch(run_id):
+        raise InvalidCheckpointRequest(
+            f"run_id must look like r-20240101-120000-abc123, got {shown(run_id)}")
+    return run_id
+
+
+def parse_chunk_ids(ids: Sequence[str], limit: int) -> list[str]:
+    """The ids, each a 64-hex sha256; at most `limit` of them in one request."""
+    if len(ids) > limit:
+        raise InvalidCheckpointRequest(
+            f"at most {limit} chunk ids per request, got {len(ids)}")
+    for chunk_id in ids:
+        if not is_chunk_id(chunk_id):
+            raise InvalidCheckpointRequest(
+                f"a chunk id is 64 lower-case hex digits (sha256), got {shown(chunk_id)}")
+    return list(ids)
+
+
 def parse_ref(task_id: str, checkpoint_id: str) -> CheckpointRef:
     """A validated reference to one checkpoint; the id must be given and well formed."""
     run_id, step = parse_task_id(task_id)
@@ -105,6 +122,11 @@ def parse_ref(task_id: str, checkpoint_id: str) -> CheckpointRef:
 def task_prefix(run_id: str, step: str) -> str:
     """The KV key prefix shared by every checkpoint of one task."""
     return f"{run_id}.{step}."
+
+
+def run_pattern(run_id: str) -> str:
+    """The KV key pattern of every checkpoint of every step of one run."""
+    return f"{run_id}.*.*"
 
 
 def ref_from_key(key: str) -> CheckpointRef | None:

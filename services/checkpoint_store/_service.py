@@ -1,17 +1,23 @@
-"""The checkpoint-store process: flags, where blobs live, and the serve loop."""
+"""The checkpoint-store process: flags, where chunks live, the serve loop and periodic GC."""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 from collections.abc import Sequence
 from pathlib import Path
 
-from m27.checkpoint_store._blobs import FileBlobStore
-from m27.checkpoint_store._index import KvRecordIndex
+from m27.checkpoint_store._chunks import ChunkStore
+from m27.checkpoint_store._index import KvManifestIndex, nats_errors
+from m27.checkpoint_store._retention import RetentionPolicy
 from m27.checkpoint_store._servicer import SERVICE_NAME, CheckpointServicer, register
 from m27.checkpoint_store._store import CheckpointStore
-from m27.common import subjects
+from m27.common import events, subjects
+from m27.common.bus import Bus
+from m27.common.checkpoint_api import CheckpointStoreError
 from m27.common.config import Config
+from m27.common.ids import split_task_id
 from m27.common.logging import get_logger
 from m27.common.model import Fence
 from m27.common.paths import m27_home
@@ -30,10 +36,11 @@ def _size(text: str) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = service_parser("checkpoint_store",
-                            "Stores and returns checkpoint blobs per task, over gRPC.")
+                            "Stores checkpoints of tasks (content-addressed chunks on a "
+                            "directory, manifests in NATS KV) and serves them over gRPC.")
     parser.add_argument("--root", metavar="DIR",
-                        help="where checkpoint blobs are kept ([checkpoint] dir; "
-                        "default: $M27_HOME/checkpoints)")
+                        help="where checkpoint chunks are kept: local disk, NAS or Lustre "
+                        "([checkpoint] dir; default: $M27_HOME/checkpoints)")
     parser.add_argument("--max-size", metavar="SIZE", type=_size,
                         help="the largest checkpoint accepted, e.g. 64GiB "
                         "([checkpoint] max_size; default: 64GiB)")
@@ -47,24 +54,58 @@ def checkpoint_root(config: Config) -> Path:
     return root.absolute()
 
 
-async def serve(rt: ServiceRuntime) -> None:
-    """Recover the store, serve gRPC, and wait for the stop signal."""
-    root = checkpoint_root(rt.config)
-    await rt.connect()
-    max_bytes = rt.config.checkpoint.max_size
-    bus = rt.nats
+def build_store(root: Path, bus: Bus, config: Config) -> CheckpointStore:
+    section = config.checkpoint
 
     async def assigned_attempt(task_id: str) -> int | None:
-        got = await bus.kv_get(subjects.FENCES_BUCKET, subjects.task_key(task_id), Fence)
+        with nats_errors("read the task's fencing token"):
+            got = await bus.kv_get(subjects.FENCES_BUCKET, subjects.task_key(task_id), Fence)
         return got[0].attempt if got else None
 
-    store = CheckpointStore(FileBlobStore(root), KvRecordIndex(bus), max_bytes=max_bytes,
-                            assigned_attempt=assigned_attempt)
-    removed = await store.recover()
+    async def publish(event: events.CheckpointCorrupt) -> None:
+        run_id, step = split_task_id(event.task_id)
+        await bus.publish(subjects.task_events(run_id, step), event,
+                          msg_id=f"checkpoint-corrupt:{event.checkpoint_id}:{event.chunk_id}")
+
+    return CheckpointStore(
+        ChunkStore(root), KvManifestIndex(bus), max_bytes=section.max_size,
+        retention=RetentionPolicy(keep_last=section.keep_last, keep_every=section.keep_every),
+        gc_grace_s=section.gc_grace, assigned_attempt=assigned_attempt, on_corrupt=publish)
+
+
+async def collect_garbage(store: CheckpointStore, interval_s: float,
+                          stop: asyncio.Event) -> None:
+    """At start and every `interval_s`; a failed round is logged and tried again later."""
+    while not stop.is_set():
+        try:
+            report = await store.collect_garbage()
+        except CheckpointStoreError as exc:
+            log.warning("checkpoint.gc_failed", error=str(exc))
+        except Exception as exc:  # a GC bug must not stop checkpoints being served
+            log.exception("checkpoint.gc_crashed", error=repr(exc))
+        else:
+            log.info("checkpoint.gc_done", manifests=report.manifests,
+                     referenced=report.referenced, young=report.young, deleted=report.deleted,
+                     freed_bytes=report.freed_bytes, temp_removed=report.temp_removed)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), interval_s)
+
+
+async def serve(rt: ServiceRuntime) -> None:
+    """Prepare the store, serve gRPC, collect garbage, and wait for the stop signal."""
+    root = checkpoint_root(rt.config)
+    await rt.connect()
+    store = await asyncio.to_thread(build_store, root, rt.nats, rt.config)
+    removed = await store.prepare()
+    section = rt.config.checkpoint
     log.info("checkpoint.store_opened", root=str(root), temp_files_removed=removed,
-             max_bytes=max_bytes)
+             max_bytes=store.max_bytes, keep_last=section.keep_last,
+             keep_every=section.keep_every, gc_interval_s=section.gc_interval,
+             gc_grace_s=section.gc_grace)
     await rt.serve_grpc([register(CheckpointServicer(store))], [SERVICE_NAME])
     await rt.ready()
+    if section.gc_interval > 0:
+        rt.spawn(collect_garbage(store, section.gc_interval, rt.stop), "checkpoint-gc")
     await rt.stop.wait()
 
 

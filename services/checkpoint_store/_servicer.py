@@ -1,8 +1,8 @@
 """The gRPC edge: `m27.v1.CheckpointService` over a `CheckpointStore`.
 
-Protobuf stops here: requests become domain values, records become `CheckpointInfo`.
-Every failure leaves as one status with a clear message; an unexpected one is logged with
-its traceback here and reaches the client only as INTERNAL.
+Protobuf stops here: requests become domain values, manifests travel as their JSON. Every
+failure leaves as one status with a clear message and its `m27-error` kind; an unexpected
+one is logged with its traceback here and reaches the client only as INTERNAL.
 """
 
 from __future__ import annotations
@@ -11,20 +11,23 @@ from collections.abc import AsyncIterator
 from typing import Any, Final, NoReturn
 
 import grpc
+import msgspec
 
-from m27.checkpoint_store._convert import record_to_proto
-from m27.checkpoint_store._errors import (
+from m27.checkpoint_store._store import CheckpointStore
+from m27.common.checkpoint_api import (
     CheckpointCorrupt,
     CheckpointNotFound,
     CheckpointStoreError,
     CheckpointTooLarge,
+    ChunkMissing,
+    ChunksMissing,
     InvalidCheckpointRequest,
     StaleAttempt,
     StorageFull,
     StorageUnavailable,
+    error_metadata,
+    summary_to_proto,
 )
-from m27.checkpoint_store._model import Header, validate_header
-from m27.checkpoint_store._store import CheckpointStore
 from m27.common.grpc_server import Register
 from m27.common.logging import bound_contextvars, get_logger
 from m27.v1 import checkpoint_pb2 as pb
@@ -38,21 +41,23 @@ SERVICE_NAME: Final = "m27.v1.CheckpointService"
 STATUS_CODES: Final[tuple[tuple[type[CheckpointStoreError], grpc.StatusCode], ...]] = (
     (InvalidCheckpointRequest, grpc.StatusCode.INVALID_ARGUMENT),
     (CheckpointNotFound, grpc.StatusCode.NOT_FOUND),
+    (ChunkMissing, grpc.StatusCode.NOT_FOUND),
     (CheckpointTooLarge, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (StorageFull, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (CheckpointCorrupt, grpc.StatusCode.DATA_LOSS),
     (StorageUnavailable, grpc.StatusCode.UNAVAILABLE),
     (StaleAttempt, grpc.StatusCode.FAILED_PRECONDITION),
+    (ChunksMissing, grpc.StatusCode.FAILED_PRECONDITION),
 )
 INTERNAL_MESSAGE: Final = "internal error in the checkpoint-store; its log has the details"
 #: A hostile task_id can be megabytes long; log lines keep only its start.
-LOGGED_TASK_ID_CHARS: Final = 200
+LOGGED_ID_CHARS: Final = 200
 
 Context = grpc.aio.ServicerContext[Any, Any]
 
 
-def logged(task_id: str) -> str:
-    return task_id[:LOGGED_TASK_ID_CHARS]
+def logged(value: str) -> str:
+    return value[:LOGGED_ID_CHARS]
 
 
 def status_code(exc: CheckpointStoreError) -> grpc.StatusCode:
@@ -65,72 +70,108 @@ async def _fail(context: Context, exc: Exception, rpc: str, **fields: str) -> No
     if isinstance(exc, CheckpointStoreError):
         code = status_code(exc)
         log.info("checkpoint.rejected", rpc=rpc, code=code.name, error=str(exc), **fields)
-        await context.abort(code, str(exc))
+        await context.abort(code, str(exc), trailing_metadata=error_metadata(exc))
     log.error("checkpoint.internal_error", rpc=rpc, error=repr(exc), exc_info=exc, **fields)
     await context.abort(grpc.StatusCode.INTERNAL, INTERNAL_MESSAGE)
 
 
-async def read_header(requests: AsyncIterator[pb.PutRequest]) -> Header:
-    """The validated header that must open a Put stream."""
+async def read_header(requests: AsyncIterator[pb.PutChunksRequest]) -> pb.PutChunksHeader:
+    """The header that must open a PutChunks stream."""
     first = await anext(requests, None)
     if first is None or first.WhichOneof("part") != "header":
-        raise InvalidCheckpointRequest("a Put stream must start with the header message")
-    header = first.header
-    return validate_header(task_id=header.task_id, attempt=header.attempt, name=header.name,
-                           metadata=dict(header.metadata))
+        raise InvalidCheckpointRequest("a PutChunks stream must start with the header message")
+    return first.header
 
 
-async def data_parts(requests: AsyncIterator[pb.PutRequest]) -> AsyncIterator[bytes]:
-    """The bytes of the messages after the header; a second header is an error."""
+async def chunk_parts(requests: AsyncIterator[pb.PutChunksRequest]
+                      ) -> AsyncIterator[tuple[str, bytes]]:
+    """(id, data) of the messages after the header; a second header is an error."""
     index = 1
     async for message in requests:
         part = message.WhichOneof("part")
         if part == "header":
             raise InvalidCheckpointRequest(
-                f"a Put stream carries exactly one header; message {index} is a second one")
-        if part != "data":
-            raise InvalidCheckpointRequest(f"Put message {index} carries neither header nor data")
-        yield message.data
+                f"a PutChunks stream carries exactly one header; message {index} is another")
+        if part != "chunk":
+            raise InvalidCheckpointRequest(f"PutChunks message {index} carries no chunk")
+        yield message.chunk.id, message.chunk.data
         index += 1
 
 
+def _json(value: msgspec.Struct) -> str:
+    return msgspec.json.encode(value).decode()
+
+
 class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
-    """The four RPCs; each puts its task_id on the log lines it writes."""
+    """The seven RPCs; each puts its task_id on the log lines it writes."""
 
     def __init__(self, store: CheckpointStore) -> None:
         self._store = store
 
-    async def Put(self, request_iterator: AsyncIterator[pb.PutRequest],
-                  context: Context) -> pb.CheckpointInfo:
-        try:
-            header = await read_header(request_iterator)
-            with bound_contextvars(task_id=header.task_id):
-                record = await self._store.put(header, data_parts(request_iterator))
-                log.info("checkpoint.stored", checkpoint_id=record.checkpoint_id,
-                         size_bytes=record.size_bytes, sha256=record.sha256,
-                         attempt=record.attempt)
-        except Exception as exc:
-            await _fail(context, exc, "Put")
-        return record_to_proto(record)
-
-    async def Get(self, request: pb.GetRequest,
-                  context: Context) -> AsyncIterator[pb.GetResponse]:
-        # task_id is passed, not bound: a generator's contextvars may not outlive its end.
-        try:
-            async with await self._store.open(request.task_id, request.checkpoint_id) as got:
-                yield pb.GetResponse(info=record_to_proto(got.record))
-                async for chunk in got.chunks():
-                    yield pb.GetResponse(data=chunk)
-        except Exception as exc:
-            await _fail(context, exc, "Get", task_id=logged(request.task_id))
-
-    async def List(self, request: pb.ListRequest, context: Context) -> pb.ListResponse:
+    async def MissingChunks(self, request: pb.MissingChunksRequest,
+                            context: Context) -> pb.MissingChunksResponse:
         with bound_contextvars(task_id=logged(request.task_id)):
             try:
-                records = await self._store.list(request.task_id)
+                absent = await self._store.missing(request.task_id, request.attempt,
+                                                   list(request.ids))
+            except Exception as exc:
+                await _fail(context, exc, "MissingChunks")
+        return pb.MissingChunksResponse(ids=absent)
+
+    async def PutChunks(self, request_iterator: AsyncIterator[pb.PutChunksRequest],
+                        context: Context) -> pb.PutChunksResponse:
+        try:
+            header = await read_header(request_iterator)
+            with bound_contextvars(task_id=logged(header.task_id)):
+                result = await self._store.put_chunks(header.task_id, header.attempt,
+                                                      chunk_parts(request_iterator))
+                log.info("checkpoint.chunks_stored", attempt=header.attempt,
+                         received=result.received, stored=result.stored,
+                         stored_bytes=result.stored_bytes)
+        except Exception as exc:
+            await _fail(context, exc, "PutChunks")
+        return pb.PutChunksResponse(received=result.received, stored=result.stored,
+                                    stored_bytes=result.stored_bytes)
+
+    async def Commit(self, request: pb.CommitRequest, context: Context) -> pb.CommitResponse:
+        with bound_contextvars(task_id=logged(request.task_id)):
+            try:
+                result = await self._store.commit(request.task_id, request.attempt,
+                                                  request.manifest_json)
+            except Exception as exc:
+                await _fail(context, exc, "Commit")
+            manifest = result.manifest
+            log.info("checkpoint.committed", checkpoint_id=manifest.checkpoint_id,
+                     attempt=manifest.attempt, seq=manifest.seq, size_bytes=manifest.size_bytes,
+                     new_bytes=manifest.new_bytes, full=manifest.full,
+                     retired=list(result.deleted))
+        return pb.CommitResponse(manifest_json=_json(manifest), deleted=result.deleted)
+
+    async def GetManifest(self, request: pb.GetManifestRequest,
+                          context: Context) -> pb.GetManifestResponse:
+        with bound_contextvars(task_id=logged(request.task_id)):
+            try:
+                manifest, skipped = await self._store.get_manifest(request.task_id,
+                                                                   request.checkpoint_id)
+            except Exception as exc:
+                await _fail(context, exc, "GetManifest")
+        return pb.GetManifestResponse(manifest_json=_json(manifest), skipped=skipped)
+
+    async def GetChunks(self, request: pb.GetChunksRequest,
+                        context: Context) -> AsyncIterator[pb.Chunk]:
+        try:
+            async for chunk_id, data in self._store.get_chunks(list(request.ids)):
+                yield pb.Chunk(id=chunk_id, data=data)
+        except Exception as exc:
+            await _fail(context, exc, "GetChunks")
+
+    async def List(self, request: pb.ListRequest, context: Context) -> pb.ListResponse:
+        with bound_contextvars(task_id=logged(request.task_id or request.run_id)):
+            try:
+                summaries = await self._store.list(request.task_id, request.run_id)
             except Exception as exc:
                 await _fail(context, exc, "List")
-        return pb.ListResponse(checkpoints=[record_to_proto(r) for r in records])
+        return pb.ListResponse(checkpoints=[summary_to_proto(s) for s in summaries])
 
     async def Delete(self, request: pb.DeleteRequest, context: Context) -> pb.DeleteResponse:
         with bound_contextvars(task_id=logged(request.task_id)):

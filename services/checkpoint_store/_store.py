@@ -1,230 +1,348 @@
-"""The checkpoint store: blobs on disk plus records in the index, in the order that is safe.
+"""The checkpoint store: chunks on a directory, manifests in an index, and the rules between.
 
-Put: bytes → temp file → fsync → rename → fsync dir, and only then the record; so a
-checkpoint is visible only once it is whole, and a crash mid-write leaves the previous one
-intact. Delete: record first, then the file; so a half-done Delete never leaves a visible
-checkpoint without bytes. Get verifies size and sha256 while streaming and holds back the
-last chunk until both match, so a reader never receives a complete-looking corrupt blob.
-Blocking file I/O runs in threads; the event loop only waits.
+A checkpoint is visible exactly when its manifest is in the index, and the manifest is
+written only after every chunk it references is on disk and fsynced (PutChunks returns
+only then; Commit checks again). A crash at any point therefore leaves the previous
+checkpoint intact: at worst some unreferenced chunks, which garbage collection removes.
+Decisions (manifest validation, retention, mark/sweep) are pure functions elsewhere; this
+module applies them. Blocking file I/O runs in threads; the event loop only waits.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import secrets
 import time
-from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
-from types import TracebackType
+import weakref
+from collections.abc import (
+    AsyncIterable,
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Iterable,
+    Sequence,
+)
 from typing import Final
 
-from m27.checkpoint_store._blobs import BlobReader, BlobStore, BlobWriter
-from m27.checkpoint_store._errors import (
-    BlobMissing,
-    CheckpointCorrupt,
-    CheckpointNotFound,
-    CheckpointTooLarge,
-    StaleAttempt,
-    StorageError,
-)
+import msgspec
+
+from m27.checkpoint_store._chunks import ChunkStore
 from m27.checkpoint_store._ids import (
     CheckpointRef,
-    checkpoint_id_ms,
     new_checkpoint_id,
     next_id_ms,
+    parse_chunk_ids,
     parse_ref,
+    parse_run_id,
     parse_task_id,
+    run_pattern,
 )
-from m27.checkpoint_store._index import RecordIndex
-from m27.checkpoint_store._model import CheckpointRecord, Header
+from m27.checkpoint_store._index import ALL_KEYS, ManifestIndex, task_pattern
+from m27.checkpoint_store._manifests import decode_manifest, seal, stored_sizes
+from m27.checkpoint_store._retention import (
+    DEFAULT_GRACE_S,
+    RetentionPolicy,
+    choose_retained,
+    mark,
+    sweep,
+)
+from m27.common import events
+from m27.common.checkpoint_api import (
+    CheckpointCorrupt,
+    CheckpointNotFound,
+    CheckpointSummary,
+    CheckpointTooLarge,
+    ChunksMissing,
+    InvalidCheckpointRequest,
+    StaleAttempt,
+    StorageUnavailable,
+    summarize,
+)
+from m27.common.checkpoint_format import Manifest
 from m27.common.logging import get_logger
 
 log = get_logger()
 
 DEFAULT_MAX_BYTES: Final = 64 * 1024**3
-READ_CHUNK_BYTES: Final = 1024 * 1024
-WRITE_BUFFER_BYTES: Final = 1024 * 1024
+MAX_IDS_PER_REQUEST: Final = 65536
+WRITES_IN_FLIGHT: Final = 4
+READS_AHEAD: Final = 2
+SHOWN_IDS: Final = 5
+
+OnCorrupt = Callable[[events.CheckpointCorrupt], Awaitable[None]]
+AssignedAttempt = Callable[[str], Awaitable[int | None]]
+
+
+class PutResult(msgspec.Struct, frozen=True):
+    received: int
+    stored: int
+    stored_bytes: int
+
+
+class CommitResult(msgspec.Struct, frozen=True):
+    manifest: Manifest
+    deleted: tuple[str, ...]
+
+
+class GcReport(msgspec.Struct, frozen=True, kw_only=True):
+    manifests: int
+    referenced: int
+    young: int
+    deleted: int
+    freed_bytes: int
+    temp_removed: int
+
+
+def upload_limit(max_bytes: int) -> int:
+    """Stored bytes one upload may carry: `max_bytes` is about decoded sizes (checked
+    exactly at Commit), and incompressible chunks come out of zstd a little larger."""
+    return max_bytes + max_bytes // 64 + 1024 * 1024
 
 
 def _token() -> str:
     return secrets.token_hex(3)
 
 
-class CheckpointStore:
-    """Put, Get, List and Delete over a `BlobStore` and a `RecordIndex`."""
+def _check_attempt(attempt: int) -> int:
+    if attempt < 0:
+        raise InvalidCheckpointRequest(f"attempt must be 0 or more, got {attempt}")
+    return attempt
 
-    def __init__(self, blobs: BlobStore, index: RecordIndex, *,
+
+class CheckpointStore:
+    """MissingChunks, PutChunks, Commit, GetManifest, GetChunks, List, Delete and GC."""
+
+    def __init__(self, chunks: ChunkStore, index: ManifestIndex, *,
                  max_bytes: int = DEFAULT_MAX_BYTES,
+                 retention: RetentionPolicy | None = None,
+                 gc_grace_s: float = DEFAULT_GRACE_S,
                  clock: Callable[[], float] = time.time,
                  token: Callable[[], str] = _token,
-                 assigned_attempt: Callable[[str], Awaitable[int | None]] | None = None) -> None:
-        self._assigned_attempt = assigned_attempt
-        self._blobs = blobs
+                 assigned_attempt: AssignedAttempt | None = None,
+                 on_corrupt: OnCorrupt | None = None) -> None:
+        self.chunks = chunks
         self._index = index
         self.max_bytes = max_bytes
+        self.retention = retention or RetentionPolicy()
+        self.gc_grace_s = gc_grace_s
         self._clock = clock
         self._token = token
+        self._assigned_attempt = assigned_attempt
+        self._on_corrupt = on_corrupt
         self._last_ms = 0
+        self._task_locks: weakref.WeakValueDictionary[str, asyncio.Lock] = \
+            weakref.WeakValueDictionary()
 
-    async def _check_attempt(self, header: Header) -> None:
-        """Fencing: only the attempt the scheduler assigned (or a newer one) may write."""
+    async def prepare(self) -> int:
+        """Ready the directory (run once before serving); returns temp files removed."""
+        return await asyncio.to_thread(self.chunks.prepare, temp_older_than_s=self.gc_grace_s)
+
+    async def _fence(self, task_id: str, attempt: int) -> None:
+        """Only the attempt the scheduler assigned (or a newer one) may write."""
         if self._assigned_attempt is None:
             return
-        assigned = await self._assigned_attempt(header.task_id)
-        if assigned is not None and header.attempt < assigned:
-            raise StaleAttempt(f"attempt {header.attempt} of {header.task_id} is stale: "
+        assigned = await self._assigned_attempt(task_id)
+        if assigned is not None and attempt < assigned:
+            raise StaleAttempt(f"attempt {attempt} of {task_id} is stale: "
                                f"attempt {assigned} is the assigned one")
 
-    async def recover(self) -> int:
-        """Clean what a crash left behind; run once before serving."""
-        return await asyncio.to_thread(self._blobs.recover)
+    async def missing(self, task_id: str, attempt: int, ids: Sequence[str]) -> list[str]:
+        """Which of `ids` the store lacks; fenced when a task is named."""
+        chunk_ids = parse_chunk_ids(ids, MAX_IDS_PER_REQUEST)
+        if task_id:
+            parse_task_id(task_id)
+            await self._fence(task_id, _check_attempt(attempt))
+        return await asyncio.to_thread(self.chunks.missing, chunk_ids)
 
-    async def put(self, header: Header, parts: AsyncIterable[bytes]) -> CheckpointRecord:
-        """Store the bytes of `parts` as a new checkpoint of the header's task."""
-        await self._check_attempt(header)
-        writer = await asyncio.to_thread(self._blobs.create)
+    async def put_chunks(self, task_id: str, attempt: int,
+                         chunks: AsyncIterable[tuple[str, bytes]]) -> PutResult:
+        """Store each chunk (verified, durable) of a fenced attempt's upload."""
+        parse_task_id(task_id)
+        await self._fence(task_id, _check_attempt(attempt))
+        pending: set[asyncio.Future[bool]] = set()
+        sizes: dict[asyncio.Future[bool], int] = {}
+        received = stored = stored_bytes = total = 0
+
+        def count(done: Iterable[asyncio.Future[bool]]) -> None:
+            nonlocal stored, stored_bytes
+            for task in done:
+                if task.result():
+                    stored, stored_bytes = stored + 1, stored_bytes + sizes[task]
+
         try:
-            await self._receive(writer, parts)
-            await self._check_attempt(header)  # the task may have moved during the upload
-            ref = self._new_ref(header)
-            digest = await asyncio.to_thread(writer.commit, ref)
-        except BaseException:
-            writer.abort()  # not in a thread: it must also run when the RPC is cancelled
-            raise
-        record = CheckpointRecord(
-            task_id=header.task_id, checkpoint_id=ref.checkpoint_id, attempt=header.attempt,
-            name=header.name, size_bytes=digest.size_bytes, sha256=digest.sha256,
-            created_at=checkpoint_id_ms(ref.checkpoint_id) / 1000, metadata=header.metadata,
-            layout=self._blobs.layout)
-        try:
-            await self._index.put(record)
-        except BaseException:
-            # The record may have been committed with only its ack lost: keep the blob, an
-            # orphan costs disk space but a record without bytes would be data loss.
-            log.warning("checkpoint.record_not_committed", task_id=header.task_id,
-                        checkpoint_id=ref.checkpoint_id)
-            raise
-        return record
+            async for chunk_id, data in chunks:
+                parse_chunk_ids([chunk_id], 1)
+                total += len(data)
+                if total > upload_limit(self.max_bytes):
+                    raise CheckpointTooLarge(f"a checkpoint may be at most {self.max_bytes} "
+                                             "bytes; this upload is larger")
+                while len(pending) >= WRITES_IN_FLIGHT:
+                    done, pending = await asyncio.wait(pending,
+                                                       return_when=asyncio.FIRST_COMPLETED)
+                    count(done)
+                write = asyncio.ensure_future(asyncio.to_thread(self.chunks.put, chunk_id, data))
+                pending.add(write)
+                sizes[write] = len(data)
+                received += 1
+            await asyncio.gather(*pending)
+            count(pending)
+        finally:
+            if pending:  # a failed upload: let the writes in flight finish first
+                await asyncio.wait(pending)
+                for task in pending:
+                    if not task.cancelled():
+                        task.exception()  # retrieved: only the first failure is reported
+        return PutResult(received, stored, stored_bytes)
 
-    async def _receive(self, writer: BlobWriter, parts: AsyncIterable[bytes]) -> None:
-        """Write `parts` in ~1 MiB batches, refusing to go past `max_bytes`."""
-        buffer = bytearray()
-        total = 0
-        async for part in parts:
-            total += len(part)
-            if total > self.max_bytes:
-                raise CheckpointTooLarge(
-                    f"a checkpoint may be at most {self.max_bytes} bytes; this one is larger")
-            buffer += part
-            if len(buffer) >= WRITE_BUFFER_BYTES:
-                batch, buffer = buffer, bytearray()
-                await asyncio.to_thread(writer.write, batch)
-        if buffer:
-            await asyncio.to_thread(writer.write, buffer)
+    def _lock(self, task_id: str) -> asyncio.Lock:
+        lock = self._task_locks.get(task_id)
+        if lock is None:
+            lock = self._task_locks[task_id] = asyncio.Lock()
+        return lock
 
-    def _new_ref(self, header: Header) -> CheckpointRef:
-        self._last_ms = next_id_ms(int(self._clock() * 1000), self._last_ms)
-        checkpoint_id = new_checkpoint_id(self._last_ms, self._token())
-        return CheckpointRef(header.run_id, header.step, checkpoint_id)
-
-    async def list(self, task_id: str) -> list[CheckpointRecord]:
-        """A task's committed checkpoints, oldest first."""
+    async def commit(self, task_id: str, attempt: int, manifest_json: bytes | str) -> CommitResult:
+        """Make a checkpoint visible once every chunk it needs is stored, then apply
+        retention to the task."""
         run_id, step = parse_task_id(task_id)
-        records = await self._index.list(run_id, step)
-        return sorted(records, key=lambda r: r.checkpoint_id)
+        await self._fence(task_id, _check_attempt(attempt))
+        manifest = await asyncio.to_thread(decode_manifest, manifest_json, task_id=task_id,
+                                           attempt=attempt, max_bytes=self.max_bytes)
+        sizes = stored_sizes(manifest)
+        problems = await asyncio.to_thread(self.chunks.problems, sizes, touch=True)
+        if problems:
+            shown = ", ".join(f"{c[:12]} ({why})" for c, why in list(problems.items())[:SHOWN_IDS])
+            raise ChunksMissing(f"{len(problems)} of the checkpoint's {len(sizes)} chunks are "
+                                f"not stored: {shown}; upload them first",
+                                tuple(sorted(problems)))
+        async with self._lock(task_id):
+            existing = await self._index.list(task_pattern(run_id, step))
+            previous = max(existing, key=lambda m: m.checkpoint_id, default=None)
+            await self._fence(task_id, attempt)  # the task may have moved meanwhile
+            sealed = seal(manifest, checkpoint_id=self._new_id(), now=self._clock(),
+                          seq=(previous.seq if previous else 0) + 1, previous=previous)
+            await self._index.put(sealed)
+            deleted = await self._apply_retention([*existing, sealed])
+        return CommitResult(sealed, deleted)
 
-    async def find(self, task_id: str, checkpoint_id: str) -> CheckpointRecord:
-        """One committed checkpoint; an empty id means the task's latest."""
-        if not checkpoint_id:
-            records = await self.list(task_id)
-            if not records:
-                raise CheckpointNotFound(f"task {task_id} has no checkpoints")
-            return records[-1]
-        ref = parse_ref(task_id, checkpoint_id)
-        record = await self._index.get(ref)
-        if record is None:
-            raise CheckpointNotFound(f"task {task_id} has no checkpoint {checkpoint_id}")
-        return record
+    def _new_id(self) -> str:
+        self._last_ms = next_id_ms(int(self._clock() * 1000), self._last_ms)
+        return new_checkpoint_id(self._last_ms, self._token())
 
-    async def open(self, task_id: str, checkpoint_id: str = "") -> OpenCheckpoint:
-        """A checkpoint ready to stream: its record is committed and its blob is open."""
-        record = await self.find(task_id, checkpoint_id)
-        if record.layout != self._blobs.layout:
-            raise StorageError(f"checkpoint {record.checkpoint_id} is stored as "
-                               f"{record.layout!r}, which this store cannot read")
+    async def _apply_retention(self, manifests: list[Manifest]) -> tuple[str, ...]:
+        """Delete what retention does not keep; a failure here never fails the commit."""
+        decision = choose_retained([summarize(m) for m in manifests], self.retention)
+        by_id = {m.checkpoint_id: m for m in manifests}
+        deleted = []
+        for checkpoint_id in decision.delete:
+            manifest = by_id[checkpoint_id]
+            try:
+                await self._index.delete(parse_ref(manifest.task_id, checkpoint_id))
+            except StorageUnavailable as exc:
+                log.warning("checkpoint.retention_failed", checkpoint_id=checkpoint_id,
+                            error=str(exc))
+                break
+            deleted.append(checkpoint_id)
+            log.info("checkpoint.retired", task_id=manifest.task_id,
+                     checkpoint_id=checkpoint_id, reason=decision.reasons[checkpoint_id])
+        return tuple(deleted)
+
+    async def get_manifest(self, task_id: str,
+                           checkpoint_id: str = "") -> tuple[Manifest, list[str]]:
+        """One manifest, or with an empty id the latest good one and the ids of newer
+        checkpoints passed over because a chunk is missing or damaged."""
+        if checkpoint_id:
+            ref = parse_ref(task_id, checkpoint_id)
+            found = await self._index.get(ref)
+            if found is None:
+                raise CheckpointNotFound(f"task {task_id} has no checkpoint {checkpoint_id}")
+            return found, []
+        run_id, step = parse_task_id(task_id)
+        newest_first = sorted(await self._index.list(task_pattern(run_id, step)),
+                              key=lambda m: m.checkpoint_id, reverse=True)
+        if not newest_first:
+            raise CheckpointNotFound(f"task {task_id} has no checkpoints")
+        damaged: list[tuple[Manifest, str, str]] = []
+        for manifest in newest_first:
+            problems = await asyncio.to_thread(self.chunks.problems, stored_sizes(manifest))
+            if not problems:
+                await self._report(damaged, manifest.checkpoint_id)
+                return manifest, [m.checkpoint_id for m, _, _ in damaged]
+            chunk_id, why = min(problems.items())
+            damaged.append((manifest, chunk_id, why))
+        await self._report(damaged, "")
+        raise CheckpointCorrupt(f"every checkpoint of {task_id} has missing or damaged chunks "
+                                f"(the latest: chunk {damaged[0][1]}, {damaged[0][2]})")
+
+    async def _report(self, damaged: list[tuple[Manifest, str, str]],
+                      fell_back_to: str) -> None:
+        for manifest, chunk_id, why in damaged:
+            log.error("checkpoint.damaged", task_id=manifest.task_id,
+                      checkpoint_id=manifest.checkpoint_id, chunk_id=chunk_id, reason=why,
+                      fell_back_to=fell_back_to)
+            if self._on_corrupt is None:
+                continue
+            event = events.CheckpointCorrupt(
+                at=self._clock(), task_id=manifest.task_id,
+                checkpoint_id=manifest.checkpoint_id, chunk_id=chunk_id,
+                fell_back_to=fell_back_to, reason=why)
+            try:
+                await self._on_corrupt(event)
+            except Exception as exc:  # the restore matters more than the event
+                log.warning("checkpoint.event_not_published", error=str(exc))
+
+    async def get_chunks(self, ids: Sequence[str]) -> AsyncIterator[tuple[str, bytes]]:
+        """The chunks in order, each verified, with the next reads already under way."""
+        chunk_ids = parse_chunk_ids(ids, MAX_IDS_PER_REQUEST)
+        ahead: list[asyncio.Future[bytes]] = []
+        position = 0
         try:
-            reader = await asyncio.to_thread(self._blobs.open, record.ref)
-        except BlobMissing:
-            if await self._index.get(record.ref) is None:  # deleted since we looked
-                raise CheckpointNotFound(
-                    f"task {task_id} has no checkpoint {record.checkpoint_id}") from None
-            raise CheckpointCorrupt(f"the bytes of checkpoint {record.checkpoint_id} of "
-                                    f"{task_id} are missing from disk") from None
-        opened = OpenCheckpoint(record, reader)
-        if reader.size != record.size_bytes:
-            opened.close()
-            raise opened.corrupt(f"{reader.size} bytes on disk, {record.size_bytes} recorded")
-        return opened
+            while position < len(chunk_ids):
+                while len(ahead) < READS_AHEAD and position + len(ahead) < len(chunk_ids):
+                    next_id = chunk_ids[position + len(ahead)]
+                    ahead.append(asyncio.ensure_future(
+                        asyncio.to_thread(self.chunks.read, next_id)))
+                data = await ahead.pop(0)
+                yield chunk_ids[position], data
+                position += 1
+        finally:
+            for future in ahead:
+                future.cancel()
+            await asyncio.gather(*ahead, return_exceptions=True)
+
+    async def list(self, task_id: str = "", run_id: str = "") -> list[CheckpointSummary]:
+        """One task's (or one run's) checkpoints, oldest first."""
+        if bool(task_id) == bool(run_id):
+            raise InvalidCheckpointRequest("List takes exactly one of task_id and run_id")
+        if task_id:
+            pattern = task_pattern(*parse_task_id(task_id))
+        else:
+            pattern = run_pattern(parse_run_id(run_id))
+        found = await self._index.list(pattern)
+        return [summarize(m) for m in sorted(found, key=lambda m: (m.task_id, m.checkpoint_id))]
 
     async def delete(self, task_id: str, checkpoint_id: str) -> bool:
-        """Remove one checkpoint; False when it did not exist (a retry is harmless)."""
-        ref = parse_ref(task_id, checkpoint_id)
+        """Forget one checkpoint (its chunks go at the next GC); False if there was none."""
+        ref: CheckpointRef = parse_ref(task_id, checkpoint_id)
         existed = await self._index.get(ref) is not None
         await self._index.delete(ref)
-        removed = await asyncio.to_thread(self._blobs.delete, ref)
-        if removed and not existed:
-            log.info("checkpoint.orphan_removed", task_id=task_id, checkpoint_id=checkpoint_id)
         return existed
 
+    async def collect_garbage(self) -> GcReport:
+        """Mark every chunk a manifest references, sweep the rest once past the grace
+        period. An unreadable manifest stops the sweep: its chunks might be needed."""
+        marked_at = self._clock()
+        manifests = await self._index.list(ALL_KEYS, strict=True)
+        referenced = mark(manifests)
+        files = await asyncio.to_thread(lambda: list(self.chunks.files()))
+        decision = sweep(files, referenced, marked_at=marked_at, grace_s=self.gc_grace_s)
+        sizes = {f.id: f.size for f in files}
+        deleted = await asyncio.to_thread(self._delete_chunks, decision.delete, decision.cutoff)
+        temp = await asyncio.to_thread(self.chunks.remove_temp_files, decision.cutoff)
+        return GcReport(manifests=len(manifests), referenced=decision.referenced,
+                        young=decision.young, deleted=len(deleted),
+                        freed_bytes=sum(sizes[c] for c in deleted), temp_removed=temp)
 
-class OpenCheckpoint:
-    """A committed checkpoint with its blob open; `chunks()` streams and verifies it."""
-
-    def __init__(self, record: CheckpointRecord, reader: BlobReader) -> None:
-        self.record = record
-        self._reader = reader
-
-    async def __aenter__(self) -> OpenCheckpoint:
-        return self
-
-    async def __aexit__(self, exc_type: type[BaseException] | None,
-                        exc: BaseException | None, tb: TracebackType | None) -> None:
-        self.close()
-
-    def close(self) -> None:
-        """Closing a read-only fd does not wait on the disk, and must run on cancel too."""
-        self._reader.close()
-
-    def corrupt(self, detail: str) -> CheckpointCorrupt:
-        record = self.record
-        log.error("checkpoint.corrupt", task_id=record.task_id,
-                  checkpoint_id=record.checkpoint_id, detail=detail)
-        return CheckpointCorrupt(f"checkpoint {record.checkpoint_id} of {record.task_id} is "
-                                 f"corrupt on disk ({detail}); its bytes cannot be trusted")
-
-    async def chunks(self, chunk_bytes: int = READ_CHUNK_BYTES) -> AsyncIterator[bytes]:
-        """The blob's bytes in order; CheckpointCorrupt instead of the last chunk on a
-        mismatch of size or sha256."""
-        hasher = hashlib.sha256()
-        held: bytes | None = None
-        total = 0
-        while chunk := await asyncio.to_thread(_read_hashed, self._reader, hasher, chunk_bytes):
-            total += len(chunk)
-            if total > self.record.size_bytes:
-                raise self.corrupt(f"more than the recorded {self.record.size_bytes} bytes")
-            if held is not None:
-                yield held
-            held = chunk
-        if total != self.record.size_bytes:
-            raise self.corrupt(f"{total} bytes read, {self.record.size_bytes} recorded")
-        if hasher.hexdigest() != self.record.sha256:
-            raise self.corrupt("sha256 does not match the record")
-        if held is not None:
-            yield held
-
-
-def _read_hashed(reader: BlobReader, hasher: hashlib._Hash, n: int) -> bytes:
-    """Read and hash in the same worker thread: hashing 1 MiB must not stall the loop."""
-    chunk = reader.read(n)
-    hasher.update(chunk)
-    return chunk
+    def _delete_chunks(self, chunk_ids: Sequence[str], cutoff: float) -> Sequence[str]:
+        deleted = [c for c in chunk_ids if self.chunks.delete_if_older(c, cutoff)]
+        self.chunks.sync_prefixes({c[:2] for c in deleted})
+        return deleted

@@ -11,7 +11,7 @@ import sys
 from collections.abc import Sequence
 
 from m27 import __version__
-from m27.cli import _cluster, _runs, _system
+from m27.cli import _checkpoints, _cluster, _runs, _system
 from m27.common.errors import M27Error
 
 EPILOG = """\
@@ -23,6 +23,7 @@ typical use:
   m27 retry RUN                run again what did not succeed
   m27 nodes                    nodes and GPUs: utilization, memory, who holds what
   m27 logs RUN STEP -f         a step's output, following it while it runs
+  m27 checkpoints RUN STEP     a step's checkpoints; `restore` copies one to a directory
   m27 demo                     run the bundled demo pipeline end to end
   m27 down                     stop everything (runs are kept)
 
@@ -46,6 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     _system.add_commands(sub)
     _runs.add_commands(sub)
     _cluster.add_commands(sub)
+    _checkpoints.add_commands(sub)
     return parser
 
 

@@ -102,7 +102,7 @@ def node_line(node: NodeStatus, width: int) -> str:
     extras = [name for name, on in (("cgroups", node.cgroups), ("mps", node.mps)) if on]
     state = node.state.upper() if node.state == "lost" else node.state
     cpu = f"{node.cpu_used}/{node.cpu_slots}"
-    line = (f"{node.node_id:<{width}}  {state:<7}  {backend_label(node.backend):<26}  "
+    line = (f"{node.node_id:<{width}}  {state:<8}  {backend_label(node.backend):<26}  "
             f"{_age(node.heartbeat_age_s):<11}  {cpu:<7}  {' '.join(extras)}")
     return line.rstrip()
 
@@ -112,7 +112,7 @@ def render_nodes(nodes: Sequence[NodeStatus]) -> list[str]:
     if not nodes:
         return ["no nodes registered: start a node-agent (`m27 up` starts one)"]
     width = max(4, *(len(n.node_id) for n in nodes))
-    lines = [f"{'NODE':<{width}}  {'STATE':<7}  {'BACKEND':<26}  {'HEARTBEAT':<11}  "
+    lines = [f"{'NODE':<{width}}  {'STATE':<8}  {'BACKEND':<26}  {'HEARTBEAT':<11}  "
              f"{'CPU':<7}".rstrip()]
     for node in nodes:
         lines.append(node_line(node, width))

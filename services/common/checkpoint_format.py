@@ -70,6 +70,7 @@ class Manifest(msgspec.Struct, frozen=True, kw_only=True):
     metadata: dict[str, str] = msgspec.field(default_factory=dict)
     size_bytes: int = 0  # decoded size of all entries
     new_bytes: int = 0  # bytes of chunks this checkpoint added to the store
+    seq: int = 0  # 1, 2, 3, … per task in commit order (set by the store)
 
     def entry(self, name: str) -> Entry | None:
         return next((e for e in self.entries if e.name == name), None)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
+import stat
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -24,6 +25,11 @@ import msgspec
 from m27.common.checkpoint_format import CorruptChunk, Manifest, is_chunk_id, sha256
 
 TMP_PREFIX: Final = ".tmp-"
+#: Where `m27.train` keeps a LocalStore inside M27_CHECKPOINT_DIR when no checkpoint-store
+#: is known; the node-agent's upload of a step's own files leaves it alone.
+TRAIN_STORE_SUBDIR: Final = "m27-train"
+#: Never follow a symlink planted in the store, never block opening a FIFO.
+READ_FLAGS: Final = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
 
 
 class CheckpointSink(Protocol):
@@ -52,8 +58,11 @@ def fsync_dir(path: Path) -> None:
 
 
 def write_durably(path: Path, data: bytes) -> None:
-    """Temp file in the same directory, fsync, rename, fsync the directory."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    """Temp file in the same directory, fsync, rename, fsync the directory (and the one
+    above it when the directory is new, so its entry survives a crash too)."""
+    if not path.parent.is_dir():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fsync_dir(path.parent.parent)
     tmp = path.with_name(f"{TMP_PREFIX}{path.name}.{secrets.token_hex(4)}")
     try:
         with tmp.open("wb") as file:
@@ -80,22 +89,27 @@ class ChunkDir:
         return self.root / chunk_id[:2] / chunk_id
 
     def has(self, chunk_id: str) -> bool:
-        return self.path(chunk_id).is_file()
+        """A regular file under the id (a symlink or FIFO there is not a chunk)."""
+        try:
+            return stat.S_ISREG(os.lstat(self.path(chunk_id)).st_mode)
+        except FileNotFoundError:
+            return False
 
     def put(self, chunk_id: str, data: bytes) -> bool:
         """Store a chunk (verified against its id); False if it was there already."""
         if sha256(data) != chunk_id:
             raise CorruptChunk(f"chunk {chunk_id[:12]} does not match its bytes")
-        target = self.path(chunk_id)
-        if target.is_file():
+        if self.has(chunk_id):
             return False
-        write_durably(target, data)
+        write_durably(self.path(chunk_id), data)
         return True
 
     def get(self, chunk_id: str) -> bytes:
         """The chunk's bytes; CorruptChunk if they no longer match their id."""
-        fd = os.open(self.path(chunk_id), os.O_RDONLY | os.O_NOFOLLOW)
+        fd = os.open(self.path(chunk_id), READ_FLAGS)
         with os.fdopen(fd, "rb") as file:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise CorruptChunk(f"chunk {chunk_id[:12]} is not a regular file")
             data = file.read()
         if sha256(data) != chunk_id:
             raise CorruptChunk(f"chunk {chunk_id[:12]} is corrupt on disk")

@@ -69,6 +69,14 @@ class CheckpointSection(msgspec.Struct, frozen=True, kw_only=True):
     diff_threshold: Size = 128 * 1024
     dir: str = ""  # empty: $M27_HOME/checkpoints
     max_size: Size = 64 * 1024**3  # the largest checkpoint the store accepts
+    # Retention, after each commit: a task keeps its last keep_last checkpoints (0: all)
+    # and every keep_every-th one in commit order (0: none for that reason).
+    keep_last: Annotated[int, msgspec.Meta(ge=0)] = 3
+    keep_every: Annotated[int, msgspec.Meta(ge=0)] = 0
+    # Garbage collection of chunks no checkpoint references: at start and this often (0: off).
+    gc_interval: Duration = 600.0
+    # An unreferenced chunk younger than this stays: it may belong to an upload in progress.
+    gc_grace: Duration = 3600.0
 
 
 class ReportSection(msgspec.Struct, frozen=True, kw_only=True):

@@ -166,6 +166,18 @@ class TaskOverShare(_Message, frozen=True, tag="task_over_share"):
     action: Literal["warned", "stopped"]
 
 
+class CheckpointCorrupt(_Message, frozen=True, tag="checkpoint_corrupt"):
+    """The checkpoint-store found a checkpoint with a missing or damaged chunk while
+    looking for a task's latest one, and handed out `fell_back_to` instead (empty: no
+    good checkpoint was left). Published on the task's events subject."""
+
+    task_id: str
+    checkpoint_id: str
+    chunk_id: str
+    fell_back_to: str = ""
+    reason: str = ""  # e.g. "missing", "4096 bytes on disk, 4100 expected"
+
+
 # ---------------------------------------------------------------- events: nodes
 
 
@@ -200,6 +212,14 @@ class GpuMemoryLeak(_Message, frozen=True, tag="gpu_memory_leak"):
     cleaned: bool  # the processes were ours, the task was over: they were killed
 
 
+class NodeStopping(_Message, frozen=True, tag="node_stopping"):
+    """The agent is shutting down: it takes no new work, and its tasks are being stopped
+    (each with its grace period to checkpoint)."""
+
+    node_id: str
+    reason: str = ""
+
+
 class NodeStopped(_Message, frozen=True, tag="node_stopped"):
     """The agent shut down cleanly (its tasks were stopped first)."""
 
@@ -225,9 +245,11 @@ Event = (
     | TaskIdle
     | TaskBusy
     | TaskOverShare
+    | CheckpointCorrupt
     | GpuMemoryLeak
     | NodeRegistered
     | NodeHeartbeat
+    | NodeStopping
     | NodeStopped
     | NodeLost
 )

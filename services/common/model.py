@@ -218,7 +218,7 @@ class NodeInfo(msgspec.Struct, frozen=True, kw_only=True):
     cpu_slots: int
     registered_at: float
     last_heartbeat: float
-    state: Literal["up", "stopped"] = "up"
+    state: Literal["up", "stopping", "stopped"] = "up"  # stopping: takes no new work
     pid: int = 0
     version: str = ""
     incarnation: str = ""  # new for every agent start

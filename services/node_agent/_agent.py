@@ -2,8 +2,9 @@
 
 Order of work: NATS and gRPC up → GPU backend chosen → leftovers of an earlier agent reaped
 → NodeInfo stored and NodeRegistered published → heartbeats and the command consumer run →
-ready. On SIGTERM: no new commands, every task stopped and its exit reported, NodeStopped
-published, NodeInfo marked "stopped".
+ready. On SIGTERM: NodeInfo marked "stopping" and NodeStopping published (nothing more is
+placed here), no new commands, every task stopped (SIGTERM, its grace period to checkpoint,
+SIGKILL) and its exit reported, NodeInfo marked "stopped" and NodeStopped published.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Mapping
-from typing import Final
+from typing import Final, Literal
 
 import msgspec
 import nats.errors
@@ -39,7 +40,7 @@ from m27.node_agent._lease import Lease, monotonic, start_guard, stop_guard
 from m27.node_agent._metrics import MetricsServer
 from m27.node_agent._node_api import SERVICE_NAME as NODE_SERVICE
 from m27.node_agent._node_api import NodeServicer, nothing_running, running_check
-from m27.node_agent._runner import TaskRunner
+from m27.node_agent._runner import FileCheckpoints, TaskRunner
 from m27.node_agent._tasks import NodeContext
 from m27.node_agent._telemetry import Telemetry, TelemetrySettings
 
@@ -58,7 +59,8 @@ class NodeAgent:
     def __init__(self, bus: Bus, *, node_id: str, backend: Backend, settings: NodeSection,
                  stop: asyncio.Event, environ: Mapping[str, str] | None = None,
                  clock: Callable[[], float] = time.time,
-                 overprovision: float = 1.0) -> None:
+                 overprovision: float = 1.0,
+                 files: FileCheckpoints | None = None) -> None:
         self._bus = bus
         self._node_id = node_id
         self._backend = backend
@@ -66,6 +68,7 @@ class NodeAgent:
         self._stop = stop
         self._clock = clock
         self.incarnation = secrets.token_hex(6)
+        self._state: Literal["up", "stopping"] = "up"
         self.lease = Lease(node_id=node_id, fence_after_s=settings.lease_fence_after)
         env = os.environ if environ is None else environ
         self.cgroups = detect_cgroups(node_id)
@@ -81,7 +84,8 @@ class NodeAgent:
             self._publish, self._stop_over_share, hostname=socket.gethostname())
         self.runner = TaskRunner(bus, context, stop_grace_s=settings.stop_grace,
                                  environ=env, clock=clock, leased=self._leased,
-                                 cgroups=self.cgroups, energy=self._task_energy)
+                                 cgroups=self.cgroups, energy=self._task_energy,
+                                 files=files)
         self.metrics: MetricsServer | None = None
         self.metrics_address = ""
         self._info: NodeInfo | None = None
@@ -165,6 +169,22 @@ class NodeAgent:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._heartbeats_stop.wait(), interval)
 
+    async def _announce_stopping(self, reason: str) -> None:
+        """Before the tasks are stopped: so the scheduler places nothing more here (the
+        retries of these very tasks included) while they checkpoint and exit."""
+        if self._info is None:
+            return
+        self._state = "stopping"
+        try:
+            self._info = msgspec.structs.replace(self._info, state="stopping")
+            await asyncio.wait_for(
+                self._bus.kv_put(subjects.NODES_BUCKET, self._node_id, self._info),
+                REPORT_TIMEOUT_S)
+            await self._bus.publish(subjects.node_events(self._node_id), events.NodeStopping(
+                at=self._clock(), node_id=self._node_id, reason=reason))
+        except (TimeoutError, nats.errors.Error) as exc:
+            log.warning("node.stopping_unannounced", error=str(exc) or type(exc).__name__)
+
     async def _renew(self) -> None:
         """Store the node record with the next seq; only then announce the heartbeat."""
         assert self._info is not None
@@ -172,7 +192,7 @@ class NodeAgent:
         samples = await self._sample(now)
         holdings = self.runner.task_holdings()
         info = msgspec.structs.replace(self._info, last_heartbeat=now, seq=self._info.seq + 1,
-                                       samples=samples, holdings=holdings, state="up")
+                                       samples=samples, holdings=holdings, state=self._state)
         await asyncio.wait_for(self._bus.kv_put(subjects.NODES_BUCKET, self._node_id, info),
                                timeout=max(1.0, self._settings.heartbeat_interval))
         self._info = info
@@ -243,6 +263,7 @@ class NodeAgent:
         """Stop taking commands, stop every task, report, and mark the node stopped."""
         self.runner.accepting = False
         self._stop.set()
+        await self._announce_stopping(reason)
         await _finish(self._consumer_task, CONSUMER_STOP_TIMEOUT_S)
         count = await self.runner.stop_all(reason, self._settings.stop_grace,
                                            REPORT_TIMEOUT_S)
@@ -304,7 +325,9 @@ async def serve(rt: ServiceRuntime) -> None:
     _log_backend(backend, why)
     agent = NodeAgent(bus, node_id=node_id, backend=backend, settings=settings,
                       stop=rt.stop,
-                      overprovision=rt.config.performance.memory_overprovision)
+                      overprovision=rt.config.performance.memory_overprovision,
+                      files=FileCheckpoints(level=rt.config.checkpoint.compression_level,
+                                            max_bytes=rt.config.checkpoint.max_size))
     node_api.is_running = running_check(agent.runner)
     try:
         await agent.start()

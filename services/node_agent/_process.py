@@ -65,6 +65,37 @@ def signal_group(pgid: int, sig: int) -> bool:
     return True
 
 
+def group_running(pgid: int) -> bool:
+    """Whether a process of the group is still running (zombies waiting to be reaped by
+    whoever adopted them do not count)."""
+    if not signal_group(pgid, 0):
+        return False
+    proc = Path("/proc")
+    if not proc.is_dir():
+        return True
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # gone meanwhile
+        if len(fields) > 2 and fields[2] == str(pgid) and fields[0] != "Z":
+            return True
+    return False
+
+
+async def wait_group(pgid: int, deadline: float, poll_s: float = 0.1) -> bool:
+    """Wait until no process of the group runs or the monotonic `deadline` passes; True
+    when the group ended by itself."""
+    loop = asyncio.get_running_loop()
+    while await asyncio.to_thread(group_running, pgid):
+        if loop.time() >= deadline:
+            return False
+        await asyncio.sleep(poll_s)
+    return True
+
+
 def read_tail(path: Path, max_bytes: int) -> str:
     """The last `max_bytes` of a log file, decoded leniently ("" if it cannot be read).
 

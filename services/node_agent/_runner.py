@@ -23,10 +23,11 @@ import nats.errors
 
 from m27.common import subjects
 from m27.common.bus import Bus, PoisonMessage
+from m27.common.checkpoint_storage import CheckpointSink
 from m27.common.events import StartTask, StopTask, TaskExited, TaskStarted
 from m27.common.logging import bound_contextvars, get_logger
 from m27.common.model import Fence, ServiceInfo, TaskHolding
-from m27.node_agent import _ledger
+from m27.node_agent import _checkpoint_files, _ledger
 from m27.node_agent._gpus import Holding
 from m27.node_agent._isolation import Cgroups, cgroup_name, place_in_cgroup, remove_cgroup
 from m27.node_agent._process import (
@@ -37,6 +38,7 @@ from m27.node_agent._process import (
     signal_by_name,
     signal_group,
     spawn,
+    wait_group,
 )
 from m27.node_agent._tasks import (
     STDERR_TAIL_BYTES,
@@ -66,6 +68,10 @@ RETRY_MAX_DELAY_S: Final = 5.0
 #: Checking declared outputs is a few stat() calls; a dead network mount must not keep the
 #: exit unreported forever (unchecked outputs then count as missing).
 OUTPUTS_CHECK_TIMEOUT_S: Final = 30.0
+#: A step's own checkpoint files: how long a restore before start, and the upload after
+#: the step stops, may take before the agent gives up on them (the exit must be reported).
+FILES_RESTORE_TIMEOUT_S: Final = 600.0
+FILES_FINAL_UPLOAD_TIMEOUT_S: Final = 120.0
 TaskKey = tuple[str, int]
 
 
@@ -77,8 +83,27 @@ class AgentStopping(Exception):
     """A StartTask arrived while the agent shuts down; it is redelivered to the next agent."""
 
 
+NO_SIGNAL: Final = "none"  # checkpoint_signal: none — never signalled to checkpoint
+
+
 class CannotStart(Exception):
     """The task's process could not be started; the message says why."""
+
+
+def remote_store(address: str, task_id: str, attempt: int) -> CheckpointSink:
+    from m27.client.checkpoints import RemoteStore  # the gRPC client, only when needed
+
+    return RemoteStore(address, task_id=task_id, attempt=attempt)
+
+
+@dataclass(frozen=True)
+class FileCheckpoints:
+    """How the agent keeps the files a step writes into M27_CHECKPOINT_DIR (for steps with
+    a `checkpoint:` interval): compression, the size limit, and how to reach the store."""
+
+    level: int = 3
+    max_bytes: int = 64 * 1024**3
+    open_store: Callable[[str, str, int], CheckpointSink] = remote_store
 
 
 @dataclass(eq=False)
@@ -92,7 +117,10 @@ class RunningTask:
     started_published: bool = False
     paused: bool = False
     cgroup: Path | None = None
+    checkpoint_store: str | None = None  # the checkpoint-store's address at start, if any
     stop: StopRequest | None = None  # the first reason the agent stopped it, if it did
+    stop_deadline: float | None = None  # (event-loop time) when its grace period ends
+    stop_grace_s: float = 0.0
     killed_after_s: float | None = None
     publish_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     watcher: asyncio.Task[None] | None = None
@@ -119,8 +147,10 @@ class TaskRunner:
                  clock: Callable[[], float] = time.time,
                  leased: Callable[[], bool] = lambda: True,
                  cgroups: Cgroups | None = None,
-                 energy: Callable[[str, int], float | None] = lambda _t, _a: None) -> None:
+                 energy: Callable[[str, int], float | None] = lambda _t, _a: None,
+                 files: FileCheckpoints | None = None) -> None:
         self._bus = bus
+        self._files = files or FileCheckpoints()
         self._leased = leased
         self._energy = energy
         self._cgroups = cgroups or Cgroups(None, "not checked")
@@ -250,14 +280,17 @@ class TaskRunner:
                 paths.workdir.mkdir(parents=True, exist_ok=True)
             paths.phase_file.parent.mkdir(parents=True, exist_ok=True)
             paths.checkpoint_dir.mkdir(parents=True, exist_ok=True)
-            node = dataclasses.replace(self._node,
-                                       checkpoint_store=await self._checkpoint_store())
+            store = await self._checkpoint_store()
+            if store and cmd.checkpoint_interval_s:  # only such steps' files are uploaded
+                await self._restore_files(cmd, paths, store)
+            node = dataclasses.replace(self._node, checkpoint_store=store)
             env = task_env(self._environ, cmd, node, paths)
             process = await spawn(cmd.command, cwd=paths.workdir, env=env,
                                   stdout=paths.stdout, stderr=paths.stderr)
         except (OSError, ValueError, subprocess.SubprocessError) as exc:
             raise CannotStart(str(exc)) from exc
-        task = RunningTask(cmd=cmd, paths=paths, process=process, started_at=self._clock())
+        task = RunningTask(cmd=cmd, paths=paths, process=process, started_at=self._clock(),
+                           checkpoint_store=store)
         task.cgroup = self._confine(cmd, process.pid)
         self._tasks[task.key] = task
         _ledger.remember(self._seen, cmd.task_id, cmd.attempt)
@@ -274,6 +307,49 @@ class TaskRunner:
                  gpu_backend=self._node.backend if cmd.gpu_ids else "none",
                  command=cmd.command[:200])
         return task
+
+    async def _restore_files(self, cmd: StartTask, paths: TaskPaths, store: str) -> None:
+        """An attempt starting where its checkpoint directory is empty (another node, after
+        a failover) gets the files the previous attempt uploaded. Failing that, it does not
+        start: starting from scratch would silently throw the progress away."""
+        if not _checkpoint_files.is_empty(paths.checkpoint_dir):
+            return
+        try:
+            restored = await asyncio.wait_for(asyncio.to_thread(
+                _checkpoint_files.restore, self._files.open_store(store, cmd.task_id,
+                                                                  cmd.attempt),
+                cmd.task_id, paths.checkpoint_dir), FILES_RESTORE_TIMEOUT_S)
+        except TimeoutError as exc:
+            raise CannotStart("restoring the step's checkpoint files took more than "
+                              f"{FILES_RESTORE_TIMEOUT_S:.0f}s") from exc
+        except Exception as exc:  # the store's errors, OSError, a damaged manifest
+            raise CannotStart(f"could not restore the step's checkpoint files: {exc}") from exc
+        if restored is not None:
+            log.info("task.checkpoint_files_restored", checkpoint_id=restored.checkpoint_id,
+                     files=len(restored.entries), bytes=restored.size_bytes,
+                     from_attempt=restored.attempt)
+
+    async def _upload_files(self, task: RunningTask, why: str) -> None:
+        """Send the step's checkpoint files to the store (only what changed). A failure is
+        logged, never fatal: the previous upload stays the one a restart uses."""
+        cmd = task.cmd
+        if not cmd.checkpoint_interval_s or not task.checkpoint_store:
+            return
+        sink = self._files.open_store(task.checkpoint_store, cmd.task_id, cmd.attempt)
+        try:
+            manifest = await asyncio.wait_for(asyncio.to_thread(
+                _checkpoint_files.upload, sink, cmd.task_id, cmd.attempt,
+                task.paths.checkpoint_dir, level=self._files.level,
+                max_bytes=self._files.max_bytes, now=self._clock()),
+                FILES_FINAL_UPLOAD_TIMEOUT_S if why == "exit" else cmd.checkpoint_interval_s)
+        except Exception as exc:
+            log.warning("task.checkpoint_files_upload_failed", why=why,
+                        error=str(exc) or type(exc).__name__)
+            return
+        if manifest is not None:
+            log.info("task.checkpoint_files_uploaded", why=why,
+                     checkpoint_id=manifest.checkpoint_id, files=len(manifest.entries),
+                     new_bytes=manifest.new_bytes if manifest.attempt == cmd.attempt else 0)
 
     def _confine(self, cmd: StartTask, pid: int) -> Path | None:
         """The task's CPU and memory limits, where the node can enforce them (cgroup v2)."""
@@ -336,6 +412,11 @@ class TaskRunner:
 
     async def _report_exit(self, task: RunningTask) -> None:
         returncode = await task.process.wait()
+        # Stopped with a grace period: the shell may be gone while the program it ran is
+        # still writing its checkpoint. The grace period is for the whole group.
+        if task.stop_deadline is not None and \
+                not await wait_group(task.process.pid, task.stop_deadline):
+            task.killed_after_s = task.stop_grace_s
         group_left = signal_group(task.process.pid, signal.SIGKILL)
         for escalation in task.escalations:  # the timeout too: it must not fire any more
             escalation.cancel()
@@ -343,6 +424,8 @@ class TaskRunner:
             # Killed by the node's guard while the lease had lapsed (the agent was frozen).
             task.stop = StopRequest("fenced", "the node's lease lapsed: fenced by its guard")
         end = ending(returncode, task.stop, task.killed_after_s)
+        if returncode != 0:  # the next attempt, wherever it runs, resumes from these
+            await self._upload_files(task, "exit")
         missing = await self._missing_outputs(task) if end.check_outputs else ()
         event = self._exited_event(task, end, missing)
         log.info("task.exited", exit_code=event.exit_code, signal=event.signal,
@@ -406,6 +489,8 @@ class TaskRunner:
         """The step's `checkpoint:` interval, delivered as periodic checkpoint requests."""
         while task.alive:
             await asyncio.sleep(interval_s)
+            if task.alive:  # what the last request produced is complete by now: keep it
+                await self._upload_files(task, "interval")
             if task.alive:
                 self.request_checkpoint(task.cmd.task_id, task.cmd.attempt, "interval")
 
@@ -415,6 +500,10 @@ class TaskRunner:
         if task is None or not task.alive:
             log.info("task.checkpoint_ignored", task_id=task_id, attempt=attempt,
                      why="not running here")
+            return False
+        if task.cmd.checkpoint_signal == NO_SIGNAL:
+            log.info("task.checkpoint_not_signalled", task_id=task_id, reason=reason,
+                     why="checkpoint_signal: none (the program checkpoints on its own)")
             return False
         sig = signal_by_name(task.cmd.checkpoint_signal)
         if task.paused:
@@ -455,6 +544,8 @@ class TaskRunner:
         """SIGTERM the group now, SIGKILL it after `grace_s`; the first `why` is reported."""
         if task.stop is None:
             task.stop = why
+            task.stop_deadline = asyncio.get_running_loop().time() + grace_s
+            task.stop_grace_s = grace_s
         signalled = signal_group(task.process.pid, signal.SIGTERM)
         log.info("task.stopping", task_id=task.cmd.task_id, pid=task.process.pid,
                  reason=why.note, cause=why.cause, grace_s=grace_s, signalled=signalled)

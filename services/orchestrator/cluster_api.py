@@ -54,7 +54,7 @@ ERROR_ORIGIN: Final = ("m27-error-origin", "cluster-service")
 MAX_ATTEMPT: Final = 1_000_000
 
 Context = grpc.aio.ServicerContext[object, object]
-NodeState = Literal["up", "stopped", "lost"]
+NodeState = Literal["up", "stopping", "stopped", "lost"]
 
 
 # ---------------------------------------------------------------- pure: nodes
@@ -68,7 +68,9 @@ def node_state(info: NodeInfo, now: float, node_timeout: float) -> NodeState:
     """
     if info.state == "stopped":
         return "stopped"
-    return "lost" if now - info.last_heartbeat > node_timeout else "up"
+    if now - info.last_heartbeat > node_timeout:
+        return "lost"
+    return info.state
 
 
 def share_of_each(holding: TaskHolding) -> float:

@@ -28,7 +28,9 @@ MAX_STEP_TEMPLATES: Final = 5000
 MAX_MATRIX_VALUES: Final = 1000
 MAX_LABEL: Final = 200
 #: Signals a step may ask to get for "checkpoint now" (never one that stops it).
-CHECKPOINT_SIGNALS: Final = ("SIGUSR1", "SIGUSR2", "SIGHUP", "SIGINT", "SIGWINCH")
+#: "none": a program that checkpoints on its own schedule (and would die of a signal it
+#: does not handle) is never signalled; its files are still uploaded every interval.
+CHECKPOINT_SIGNALS: Final = ("SIGUSR1", "SIGUSR2", "SIGHUP", "SIGINT", "SIGWINCH", "none")
 CONTROL_RE: Final = re.compile("[\x00-\x1f\x7f-\x9f]")
 IDENTIFIER_RE: Final = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 RESERVED_ENV: Final = ("M27_", "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER")

@@ -266,7 +266,8 @@ def _step_runtime() -> dict[str, JSON]:
                          "type": "integer", "minimum": 1, "maximum": MAX_PARALLEL_MAX},
         "checkpoint_signal": {"description": "The signal that asks the step to checkpoint "
                                              "now: on request and every `checkpoint` "
-                                             "interval. Default SIGUSR1.",
+                                             "interval. Default SIGUSR1; `none` for a "
+                                             "program that checkpoints on its own.",
                               "type": "string", "enum": list(_document.CHECKPOINT_SIGNALS)},
     }
 

@@ -26,7 +26,8 @@ class Node(msgspec.Struct, frozen=True, kw_only=True):
     gpus: tuple[GpuInfo, ...]
     cpu_slots: int
     last_heartbeat: float
-    up: bool = True  # False once it stopped or was declared lost
+    up: bool = True  # takes work: False while it stops, once it stopped or was lost
+    stopped: bool = False  # its agent shut down and reported every task it had
 
 
 class Placement(msgspec.Struct, frozen=True, kw_only=True):

@@ -76,7 +76,7 @@ class Scheduler:
             last = self._saw(info.node_id, info.incarnation, info.seq)
             seen[info.node_id] = Node(node_id=info.node_id, gpus=info.gpus,
                                       cpu_slots=info.cpu_slots, last_heartbeat=last,
-                                      up=info.state == "up")
+                                      up=info.state == "up", stopped=info.state == "stopped")
         self.nodes = seen
         self.wake.set()
 
@@ -105,7 +105,8 @@ class Scheduler:
             await self.refresh_nodes()
             return
         last = self._saw(beat.node_id, beat.incarnation, beat.seq)
-        self.nodes[beat.node_id] = msgspec.structs.replace(node, last_heartbeat=last, up=True)
+        # (whether it takes work, `up`, comes from its record: a stopping node still beats)
+        self.nodes[beat.node_id] = msgspec.structs.replace(node, last_heartbeat=last)
         if beat.node_id in self.lost:
             self.wake.set()
 
@@ -239,15 +240,19 @@ class Scheduler:
             await self._store(msgspec.structs.replace(entry, wait_reason=decision.reason))
 
     async def _declare_lost_nodes(self, now: float) -> None:
-        """A node silent for longer than node_timeout is lost: its tasks are reported lost.
-
-        (Rescheduling them from their checkpoints is the failover design, still to come.)"""
+        """A node silent for longer than node_timeout is lost: its tasks are reported lost
+        (and run again elsewhere, from their checkpoints). A node that stopped cleanly
+        reported its tasks itself; what was placed there but never reached it is released.
+        """
         clock = time.monotonic()
         for node in list(self.nodes.values()):
-            if policy.is_alive(node, clock, self.node_timeout):
+            if node.stopped:
+                await self._release_unstarted(node, now)
+                continue
+            if clock - node.last_heartbeat <= self.node_timeout:
                 self.lost.discard(node.node_id)
                 continue
-            if not node.up or node.node_id in self.lost:
+            if node.node_id in self.lost:
                 continue
             self.lost.add(node.node_id)
             silent = clock - node.last_heartbeat
@@ -257,6 +262,24 @@ class Scheduler:
             for entry in [e for e in self.entries.values()
                           if e.placement and e.placement.node_id == node.node_id]:
                 await self._report_lost(entry, node.node_id, silent, now)
+
+    async def _release_unstarted(self, node: policy.Node, now: float) -> None:
+        """Tasks placed on a node that has stopped and never started them (placed while it
+        was shutting down): their StartTask will not be read; they go back to be retried."""
+        for entry in [e for e in self.entries.values()
+                      if e.placement and e.placement.node_id == node.node_id
+                      and not e.started]:
+            task = entry.task
+            await self.bus.publish(subjects.task_events(task.run_id, task.step),
+                                   events.TaskExited(
+                at=now, task_id=task.task_id, run_id=task.run_id, step=task.step,
+                attempt=task.attempt, node_id=node.node_id, exit_code=None, started=False,
+                cause="node_stopped", reason=f"node {node.node_id} stopped before it "
+                                             "started the task"),
+                msg_id=f"{task.task_id}:{task.attempt}:unstarted")
+            log.warning("task.released", task_id=task.task_id, node_id=node.node_id,
+                        reason="the node stopped before starting it")
+            await self._forget(task.task_id)
 
     async def _report_lost(self, entry: TaskEntry, node_id: str, silent: float,
                            now: float) -> None:

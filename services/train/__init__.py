@@ -6,17 +6,53 @@
     ...
     m27.train.report_phase("compute")
 
-Everything reads the M27_* variables the node-agent sets, and does nothing (harmlessly)
-outside m27 or without torch.
+    ckpt = m27.train.Checkpointer(model=model, optimizer=opt, every_steps=500)
+    cursor = ckpt.resume() or m27.train.Cursor()   # exact resume: see docs/training.md
+
+Everything reads the M27_* variables the node-agent sets, and works (harmlessly) outside
+m27; the checkpointing names need torch and are imported on first use, so importing
+this package never loads torch. `m27.train.precision` (mixed precision per GPU
+generation) and `m27.train.hdf5` (resumable HDF5 shards, needs h5py) are submodules.
 """
 
 from __future__ import annotations
 
+import importlib
 import os
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-__all__ = ["apply_gpu_limits", "report_phase"]
+if TYPE_CHECKING:
+    from m27.train._checkpointer import Checkpointer, Counters, SaveReport
+    from m27.train._cursor import Cursor, ResumableSampler, epoch_order
+    from m27.train._errors import CheckpointError, RestoreError, TrainError
+
+__all__ = [
+    "CheckpointError",
+    "Checkpointer",
+    "Counters",
+    "Cursor",
+    "RestoreError",
+    "ResumableSampler",
+    "SaveReport",
+    "TrainError",
+    "apply_gpu_limits",
+    "epoch_order",
+    "report_phase",
+]
+
+_LAZY = {
+    "Checkpointer": "_checkpointer", "Counters": "_checkpointer", "SaveReport": "_checkpointer",
+    "Cursor": "_cursor", "ResumableSampler": "_cursor", "epoch_order": "_cursor",
+    "CheckpointError": "_errors", "RestoreError": "_errors", "TrainError": "_errors",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'm27.train' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"m27.train.{module}"), name)
 
 
 def apply_gpu_limits() -> list[int]:

@@ -24,39 +24,49 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17m27/v1/checkpoint.proto\x12\x06m27.v1\"\xad\x01\n\x10\x43heckpointHeader\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x02 \x01(\x05\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x38\n\x08metadata\x18\x04 \x03(\x0b\x32&.m27.v1.CheckpointHeader.MetadataEntry\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"P\n\nPutRequest\x12*\n\x06header\x18\x01 \x01(\x0b\x32\x18.m27.v1.CheckpointHeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04part\"\xf8\x01\n\x0e\x43heckpointInfo\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12\x15\n\rcheckpoint_id\x18\x02 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x03 \x01(\x05\x12\x0c\n\x04name\x18\x04 \x01(\t\x12\x12\n\nsize_bytes\x18\x05 \x01(\x03\x12\x0e\n\x06sha256\x18\x06 \x01(\t\x12\x12\n\ncreated_at\x18\x07 \x01(\x01\x12\x36\n\x08metadata\x18\x08 \x03(\x0b\x32$.m27.v1.CheckpointInfo.MetadataEntry\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"4\n\nGetRequest\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12\x15\n\rcheckpoint_id\x18\x02 \x01(\t\"M\n\x0bGetResponse\x12&\n\x04info\x18\x01 \x01(\x0b\x32\x16.m27.v1.CheckpointInfoH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04part\"\x1e\n\x0bListRequest\x12\x0f\n\x07task_id\x18\x01 \x01(\t\";\n\x0cListResponse\x12+\n\x0b\x63heckpoints\x18\x01 \x03(\x0b\x32\x16.m27.v1.CheckpointInfo\"7\n\rDeleteRequest\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12\x15\n\rcheckpoint_id\x18\x02 \x01(\t\"!\n\x0e\x44\x65leteResponse\x12\x0f\n\x07\x64\x65leted\x18\x01 \x01(\x08\x32\xe6\x01\n\x11\x43heckpointService\x12\x33\n\x03Put\x12\x12.m27.v1.PutRequest\x1a\x16.m27.v1.CheckpointInfo(\x01\x12\x30\n\x03Get\x12\x12.m27.v1.GetRequest\x1a\x13.m27.v1.GetResponse0\x01\x12\x31\n\x04List\x12\x13.m27.v1.ListRequest\x1a\x14.m27.v1.ListResponse\x12\x37\n\x06\x44\x65lete\x12\x15.m27.v1.DeleteRequest\x1a\x16.m27.v1.DeleteResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17m27/v1/checkpoint.proto\x12\x06m27.v1\"E\n\x14MissingChunksRequest\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x02 \x01(\x05\x12\x0b\n\x03ids\x18\x03 \x03(\t\"$\n\x15MissingChunksResponse\x12\x0b\n\x03ids\x18\x01 \x03(\t\"3\n\x0fPutChunksHeader\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x02 \x01(\x05\"!\n\x05\x43hunk\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"e\n\x10PutChunksRequest\x12)\n\x06header\x18\x01 \x01(\x0b\x32\x17.m27.v1.PutChunksHeaderH\x00\x12\x1e\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\r.m27.v1.ChunkH\x00\x42\x06\n\x04part\"K\n\x11PutChunksResponse\x12\x10\n\x08received\x18\x01 \x01(\x05\x12\x0e\n\x06stored\x18\x02 \x01(\x05\x12\x14\n\x0cstored_bytes\x18\x03 \x01(\x03\"H\n\rCommitRequest\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x02 \x01(\x05\x12\x15\n\rmanifest_json\x18\x03 \x01(\t\"8\n\x0e\x43ommitResponse\x12\x15\n\rmanifest_json\x18\x01 \x01(\t\x12\x0f\n\x07\x64\x65leted\x18\x02 \x03(\t\"<\n\x12GetManifestRequest\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12\x15\n\rcheckpoint_id\x18\x02 \x01(\t\"=\n\x13GetManifestResponse\x12\x15\n\rmanifest_json\x18\x01 \x01(\t\x12\x0f\n\x07skipped\x18\x02 \x03(\t\"\x1f\n\x10GetChunksRequest\x12\x0b\n\x03ids\x18\x01 \x03(\t\".\n\x0bListRequest\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12\x0e\n\x06run_id\x18\x02 \x01(\t\"\xe7\x02\n\x11\x43heckpointSummary\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12\x15\n\rcheckpoint_id\x18\x02 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x03 \x01(\x05\x12\x0c\n\x04name\x18\x04 \x01(\t\x12\x11\n\x04step\x18\x05 \x01(\x03H\x00\x88\x01\x01\x12\x12\n\x05\x65poch\x18\x06 \x01(\x03H\x01\x88\x01\x01\x12\x12\n\ncreated_at\x18\x07 \x01(\x01\x12\x12\n\nsize_bytes\x18\x08 \x01(\x03\x12\x11\n\tnew_bytes\x18\t \x01(\x03\x12\x0c\n\x04\x66ull\x18\n \x01(\x08\x12\x0f\n\x07\x65ntries\x18\x0b \x01(\x05\x12\x0b\n\x03seq\x18\x0c \x01(\x03\x12\x39\n\x08metadata\x18\r \x03(\x0b\x32\'.m27.v1.CheckpointSummary.MetadataEntry\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x07\n\x05_stepB\x08\n\x06_epoch\">\n\x0cListResponse\x12.\n\x0b\x63heckpoints\x18\x01 \x03(\x0b\x32\x19.m27.v1.CheckpointSummary\"7\n\rDeleteRequest\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12\x15\n\rcheckpoint_id\x18\x02 \x01(\t\"!\n\x0e\x44\x65leteResponse\x12\x0f\n\x07\x64\x65leted\x18\x01 \x01(\x08\x32\xca\x03\n\x11\x43heckpointService\x12L\n\rMissingChunks\x12\x1c.m27.v1.MissingChunksRequest\x1a\x1d.m27.v1.MissingChunksResponse\x12\x42\n\tPutChunks\x12\x18.m27.v1.PutChunksRequest\x1a\x19.m27.v1.PutChunksResponse(\x01\x12\x37\n\x06\x43ommit\x12\x15.m27.v1.CommitRequest\x1a\x16.m27.v1.CommitResponse\x12\x46\n\x0bGetManifest\x12\x1a.m27.v1.GetManifestRequest\x1a\x1b.m27.v1.GetManifestResponse\x12\x36\n\tGetChunks\x12\x18.m27.v1.GetChunksRequest\x1a\r.m27.v1.Chunk0\x01\x12\x31\n\x04List\x12\x13.m27.v1.ListRequest\x1a\x14.m27.v1.ListResponse\x12\x37\n\x06\x44\x65lete\x12\x15.m27.v1.DeleteRequest\x1a\x16.m27.v1.DeleteResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'm27.v1.checkpoint_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_CHECKPOINTHEADER_METADATAENTRY']._loaded_options = None
-  _globals['_CHECKPOINTHEADER_METADATAENTRY']._serialized_options = b'8\001'
-  _globals['_CHECKPOINTINFO_METADATAENTRY']._loaded_options = None
-  _globals['_CHECKPOINTINFO_METADATAENTRY']._serialized_options = b'8\001'
-  _globals['_CHECKPOINTHEADER']._serialized_start=36
-  _globals['_CHECKPOINTHEADER']._serialized_end=209
-  _globals['_CHECKPOINTHEADER_METADATAENTRY']._serialized_start=162
-  _globals['_CHECKPOINTHEADER_METADATAENTRY']._serialized_end=209
-  _globals['_PUTREQUEST']._serialized_start=211
-  _globals['_PUTREQUEST']._serialized_end=291
-  _globals['_CHECKPOINTINFO']._serialized_start=294
-  _globals['_CHECKPOINTINFO']._serialized_end=542
-  _globals['_CHECKPOINTINFO_METADATAENTRY']._serialized_start=162
-  _globals['_CHECKPOINTINFO_METADATAENTRY']._serialized_end=209
-  _globals['_GETREQUEST']._serialized_start=544
-  _globals['_GETREQUEST']._serialized_end=596
-  _globals['_GETRESPONSE']._serialized_start=598
-  _globals['_GETRESPONSE']._serialized_end=675
-  _globals['_LISTREQUEST']._serialized_start=677
-  _globals['_LISTREQUEST']._serialized_end=707
-  _globals['_LISTRESPONSE']._serialized_start=709
-  _globals['_LISTRESPONSE']._serialized_end=768
-  _globals['_DELETEREQUEST']._serialized_start=770
-  _globals['_DELETEREQUEST']._serialized_end=825
-  _globals['_DELETERESPONSE']._serialized_start=827
-  _globals['_DELETERESPONSE']._serialized_end=860
-  _globals['_CHECKPOINTSERVICE']._serialized_start=863
-  _globals['_CHECKPOINTSERVICE']._serialized_end=1093
+  _globals['_CHECKPOINTSUMMARY_METADATAENTRY']._loaded_options = None
+  _globals['_CHECKPOINTSUMMARY_METADATAENTRY']._serialized_options = b'8\001'
+  _globals['_MISSINGCHUNKSREQUEST']._serialized_start=35
+  _globals['_MISSINGCHUNKSREQUEST']._serialized_end=104
+  _globals['_MISSINGCHUNKSRESPONSE']._serialized_start=106
+  _globals['_MISSINGCHUNKSRESPONSE']._serialized_end=142
+  _globals['_PUTCHUNKSHEADER']._serialized_start=144
+  _globals['_PUTCHUNKSHEADER']._serialized_end=195
+  _globals['_CHUNK']._serialized_start=197
+  _globals['_CHUNK']._serialized_end=230
+  _globals['_PUTCHUNKSREQUEST']._serialized_start=232
+  _globals['_PUTCHUNKSREQUEST']._serialized_end=333
+  _globals['_PUTCHUNKSRESPONSE']._serialized_start=335
+  _globals['_PUTCHUNKSRESPONSE']._serialized_end=410
+  _globals['_COMMITREQUEST']._serialized_start=412
+  _globals['_COMMITREQUEST']._serialized_end=484
+  _globals['_COMMITRESPONSE']._serialized_start=486
+  _globals['_COMMITRESPONSE']._serialized_end=542
+  _globals['_GETMANIFESTREQUEST']._serialized_start=544
+  _globals['_GETMANIFESTREQUEST']._serialized_end=604
+  _globals['_GETMANIFESTRESPONSE']._serialized_start=606
+  _globals['_GETMANIFESTRESPONSE']._serialized_end=667
+  _globals['_GETCHUNKSREQUEST']._serialized_start=669
+  _globals['_GETCHUNKSREQUEST']._serialized_end=700
+  _globals['_LISTREQUEST']._serialized_start=702
+  _globals['_LISTREQUEST']._serialized_end=748
+  _globals['_CHECKPOINTSUMMARY']._serialized_start=751
+  _globals['_CHECKPOINTSUMMARY']._serialized_end=1110
+  _globals['_CHECKPOINTSUMMARY_METADATAENTRY']._serialized_start=1044
+  _globals['_CHECKPOINTSUMMARY_METADATAENTRY']._serialized_end=1091
+  _globals['_LISTRESPONSE']._serialized_start=1112
+  _globals['_LISTRESPONSE']._serialized_end=1174
+  _globals['_DELETEREQUEST']._serialized_start=1176
+  _globals['_DELETEREQUEST']._serialized_end=1231
+  _globals['_DELETERESPONSE']._serialized_start=1233
+  _globals['_DELETERESPONSE']._serialized_end=1266
+  _globals['_CHECKPOINTSERVICE']._serialized_start=1269
+  _globals['_CHECKPOINTSERVICE']._serialized_end=1727
 # @@protoc_insertion_point(module_scope)

@@ -34,15 +34,30 @@ class CheckpointServiceStub:
         Args:
             channel: A grpc.Channel.
         """
-        self.Put = channel.stream_unary(
-                '/m27.v1.CheckpointService/Put',
-                request_serializer=m27_dot_v1_dot_checkpoint__pb2.PutRequest.SerializeToString,
-                response_deserializer=m27_dot_v1_dot_checkpoint__pb2.CheckpointInfo.FromString,
+        self.MissingChunks = channel.unary_unary(
+                '/m27.v1.CheckpointService/MissingChunks',
+                request_serializer=m27_dot_v1_dot_checkpoint__pb2.MissingChunksRequest.SerializeToString,
+                response_deserializer=m27_dot_v1_dot_checkpoint__pb2.MissingChunksResponse.FromString,
                 _registered_method=True)
-        self.Get = channel.unary_stream(
-                '/m27.v1.CheckpointService/Get',
-                request_serializer=m27_dot_v1_dot_checkpoint__pb2.GetRequest.SerializeToString,
-                response_deserializer=m27_dot_v1_dot_checkpoint__pb2.GetResponse.FromString,
+        self.PutChunks = channel.stream_unary(
+                '/m27.v1.CheckpointService/PutChunks',
+                request_serializer=m27_dot_v1_dot_checkpoint__pb2.PutChunksRequest.SerializeToString,
+                response_deserializer=m27_dot_v1_dot_checkpoint__pb2.PutChunksResponse.FromString,
+                _registered_method=True)
+        self.Commit = channel.unary_unary(
+                '/m27.v1.CheckpointService/Commit',
+                request_serializer=m27_dot_v1_dot_checkpoint__pb2.CommitRequest.SerializeToString,
+                response_deserializer=m27_dot_v1_dot_checkpoint__pb2.CommitResponse.FromString,
+                _registered_method=True)
+        self.GetManifest = channel.unary_unary(
+                '/m27.v1.CheckpointService/GetManifest',
+                request_serializer=m27_dot_v1_dot_checkpoint__pb2.GetManifestRequest.SerializeToString,
+                response_deserializer=m27_dot_v1_dot_checkpoint__pb2.GetManifestResponse.FromString,
+                _registered_method=True)
+        self.GetChunks = channel.unary_stream(
+                '/m27.v1.CheckpointService/GetChunks',
+                request_serializer=m27_dot_v1_dot_checkpoint__pb2.GetChunksRequest.SerializeToString,
+                response_deserializer=m27_dot_v1_dot_checkpoint__pb2.Chunk.FromString,
                 _registered_method=True)
         self.List = channel.unary_unary(
                 '/m27.v1.CheckpointService/List',
@@ -59,30 +74,56 @@ class CheckpointServiceStub:
 class CheckpointServiceServicer:
     """Missing associated documentation comment in .proto file."""
 
-    def Put(self, request_iterator, context):
-        """The first message is the header, the rest carry the bytes in order.
+    def MissingChunks(self, request, context):
+        """Which of these chunks the store does not have. With a task_id the call is fenced.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def Get(self, request, context):
-        """The first message is the checkpoint's info, the rest carry its bytes in order.
-        An empty checkpoint_id asks for the task's latest checkpoint.
+    def PutChunks(self, request_iterator, context):
+        """The first message is the header (task and attempt; fenced), the rest are chunks. Each
+        chunk is verified against its id and durable before the call returns.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Commit(self, request, context):
+        """Make a checkpoint visible. Fenced; refused (FAILED_PRECONDITION, `chunks_missing`) if
+        any chunk it references is not stored. Retention runs afterwards.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetManifest(self, request, context):
+        """One manifest; an empty checkpoint_id asks for the task's latest *good* one: a newer
+        checkpoint whose chunks are missing or damaged is skipped (and a `checkpoint_corrupt`
+        event published).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetChunks(self, request, context):
+        """The chunks' stored bytes, in the order asked, each verified: a damaged chunk ends the
+        stream with DATA_LOSS naming it, a missing one with NOT_FOUND.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def List(self, request, context):
-        """A task's checkpoints, oldest first.
+        """A task's (or a whole run's) checkpoints, oldest first.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Delete(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Forget one checkpoint; its chunks go at the next garbage collection.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -90,15 +131,30 @@ class CheckpointServiceServicer:
 
 def add_CheckpointServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
-            'Put': grpc.stream_unary_rpc_method_handler(
-                    servicer.Put,
-                    request_deserializer=m27_dot_v1_dot_checkpoint__pb2.PutRequest.FromString,
-                    response_serializer=m27_dot_v1_dot_checkpoint__pb2.CheckpointInfo.SerializeToString,
+            'MissingChunks': grpc.unary_unary_rpc_method_handler(
+                    servicer.MissingChunks,
+                    request_deserializer=m27_dot_v1_dot_checkpoint__pb2.MissingChunksRequest.FromString,
+                    response_serializer=m27_dot_v1_dot_checkpoint__pb2.MissingChunksResponse.SerializeToString,
             ),
-            'Get': grpc.unary_stream_rpc_method_handler(
-                    servicer.Get,
-                    request_deserializer=m27_dot_v1_dot_checkpoint__pb2.GetRequest.FromString,
-                    response_serializer=m27_dot_v1_dot_checkpoint__pb2.GetResponse.SerializeToString,
+            'PutChunks': grpc.stream_unary_rpc_method_handler(
+                    servicer.PutChunks,
+                    request_deserializer=m27_dot_v1_dot_checkpoint__pb2.PutChunksRequest.FromString,
+                    response_serializer=m27_dot_v1_dot_checkpoint__pb2.PutChunksResponse.SerializeToString,
+            ),
+            'Commit': grpc.unary_unary_rpc_method_handler(
+                    servicer.Commit,
+                    request_deserializer=m27_dot_v1_dot_checkpoint__pb2.CommitRequest.FromString,
+                    response_serializer=m27_dot_v1_dot_checkpoint__pb2.CommitResponse.SerializeToString,
+            ),
+            'GetManifest': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetManifest,
+                    request_deserializer=m27_dot_v1_dot_checkpoint__pb2.GetManifestRequest.FromString,
+                    response_serializer=m27_dot_v1_dot_checkpoint__pb2.GetManifestResponse.SerializeToString,
+            ),
+            'GetChunks': grpc.unary_stream_rpc_method_handler(
+                    servicer.GetChunks,
+                    request_deserializer=m27_dot_v1_dot_checkpoint__pb2.GetChunksRequest.FromString,
+                    response_serializer=m27_dot_v1_dot_checkpoint__pb2.Chunk.SerializeToString,
             ),
             'List': grpc.unary_unary_rpc_method_handler(
                     servicer.List,
@@ -122,7 +178,34 @@ class CheckpointService:
     """Missing associated documentation comment in .proto file."""
 
     @staticmethod
-    def Put(request_iterator,
+    def MissingChunks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/m27.v1.CheckpointService/MissingChunks',
+            m27_dot_v1_dot_checkpoint__pb2.MissingChunksRequest.SerializeToString,
+            m27_dot_v1_dot_checkpoint__pb2.MissingChunksResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PutChunks(request_iterator,
             target,
             options=(),
             channel_credentials=None,
@@ -135,9 +218,9 @@ class CheckpointService:
         return grpc.experimental.stream_unary(
             request_iterator,
             target,
-            '/m27.v1.CheckpointService/Put',
-            m27_dot_v1_dot_checkpoint__pb2.PutRequest.SerializeToString,
-            m27_dot_v1_dot_checkpoint__pb2.CheckpointInfo.FromString,
+            '/m27.v1.CheckpointService/PutChunks',
+            m27_dot_v1_dot_checkpoint__pb2.PutChunksRequest.SerializeToString,
+            m27_dot_v1_dot_checkpoint__pb2.PutChunksResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -149,7 +232,61 @@ class CheckpointService:
             _registered_method=True)
 
     @staticmethod
-    def Get(request,
+    def Commit(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/m27.v1.CheckpointService/Commit',
+            m27_dot_v1_dot_checkpoint__pb2.CommitRequest.SerializeToString,
+            m27_dot_v1_dot_checkpoint__pb2.CommitResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetManifest(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/m27.v1.CheckpointService/GetManifest',
+            m27_dot_v1_dot_checkpoint__pb2.GetManifestRequest.SerializeToString,
+            m27_dot_v1_dot_checkpoint__pb2.GetManifestResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetChunks(request,
             target,
             options=(),
             channel_credentials=None,
@@ -162,9 +299,9 @@ class CheckpointService:
         return grpc.experimental.unary_stream(
             request,
             target,
-            '/m27.v1.CheckpointService/Get',
-            m27_dot_v1_dot_checkpoint__pb2.GetRequest.SerializeToString,
-            m27_dot_v1_dot_checkpoint__pb2.GetResponse.FromString,
+            '/m27.v1.CheckpointService/GetChunks',
+            m27_dot_v1_dot_checkpoint__pb2.GetChunksRequest.SerializeToString,
+            m27_dot_v1_dot_checkpoint__pb2.Chunk.FromString,
             options,
             channel_credentials,
             insecure,

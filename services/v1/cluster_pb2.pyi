@@ -79,7 +79,9 @@ class Node(_message.Message):
     backend: _builtins.str
     """nvml, simulated or none. Simulated GPUs are a model, not hardware."""
     state: _builtins.str
-    """up, stopped, or lost (no heartbeat for longer than the lease)"""
+    """up, stopping (shutting down: takes no new work), stopped, or lost (no heartbeat for
+    longer than the lease)
+    """
     heartbeat_age_s: _builtins.float
     cpu_slots: _builtins.int
     cpu_used: _builtins.int

@@ -1,25 +1,25 @@
-"""Checkpoint ids, task ids, KV keys and blob paths: what is accepted, what never escapes."""
+"""Checkpoint, task, run and chunk ids and KV keys: what is accepted, what never escapes."""
 
 from __future__ import annotations
-
-import posixpath
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from m27.checkpoint_store._errors import InvalidCheckpointRequest
 from m27.checkpoint_store._ids import (
     CheckpointRef,
     checkpoint_id_ms,
     is_valid_checkpoint_id,
     new_checkpoint_id,
     next_id_ms,
+    parse_chunk_ids,
     parse_ref,
+    parse_run_id,
     parse_task_id,
     ref_from_key,
     shown,
 )
+from m27.common.checkpoint_api import InvalidCheckpointRequest
 
 RUN = "r-20240101-120000-abc123"
 GOOD_ID = "c-1704110400000-0a1b2c"
@@ -96,12 +96,11 @@ def test_hostile_task_ids_are_rejected(task_id: str) -> None:
         parse_task_id(task_id)
 
 
-def test_parse_ref_maps_to_key_and_path() -> None:
+def test_parse_ref_maps_to_its_key() -> None:
     ref = parse_ref(f"{RUN}/train", GOOD_ID)
     assert ref == CheckpointRef(RUN, "train", GOOD_ID)
     assert ref.task_id == f"{RUN}/train"
     assert ref.key == f"{RUN}.train.{GOOD_ID}"
-    assert ref.blob_parts == (RUN, "train", f"{GOOD_ID}.blob")
     assert ref_from_key(ref.key) == ref
 
 
@@ -130,17 +129,41 @@ def test_shown_keeps_error_messages_short() -> None:
 
 
 @given(task_id=st.text(max_size=60), checkpoint_id=st.text(max_size=40))
-def test_any_input_either_fails_cleanly_or_stays_below_the_root(task_id: str,
-                                                                checkpoint_id: str) -> None:
-    """Arbitrary text never crashes validation, and an accepted ref never escapes."""
+def test_any_input_either_fails_cleanly_or_makes_a_plain_key(task_id: str,
+                                                             checkpoint_id: str) -> None:
+    """Arbitrary text never crashes validation, and an accepted ref is a key of exactly
+    three plain tokens: no wildcard, no path separator, nothing to escape with."""
     try:
         ref = parse_ref(task_id, checkpoint_id)
     except InvalidCheckpointRequest:
         return
-    path = posixpath.join("/root", *ref.blob_parts)
-    assert posixpath.normpath(path) == path
-    assert path.startswith("/root/")
-    assert path.count("/") == 4
+    tokens = ref.key.split(".")
+    assert len(tokens) == 3
+    assert all(t and "*" not in t and ">" not in t and "/" not in t for t in tokens)
+
+
+@pytest.mark.parametrize(("run_id", "valid"), [
+    (RUN, True), (f"{RUN}\n", False), ("r-2024", False), ("*", False), ("", False),
+    (f"{RUN}.x", False), ("../r-20240101-120000-abc123", False)])
+def test_run_ids(run_id: str, valid: bool) -> None:
+    if valid:
+        assert parse_run_id(run_id) == run_id
+    else:
+        with pytest.raises(InvalidCheckpointRequest, match="run_id must look like"):
+            parse_run_id(run_id)
+
+
+@pytest.mark.parametrize("chunk_id", ["", "a" * 63, "a" * 65, "A" * 64, "../" + "a" * 61,
+                                      "a" * 63 + "\n", "g" * 64])
+def test_hostile_chunk_ids_are_refused(chunk_id: str) -> None:
+    with pytest.raises(InvalidCheckpointRequest, match="64 lower-case hex"):
+        parse_chunk_ids(["a" * 64, chunk_id], 10)
+
+
+def test_too_many_chunk_ids_in_one_request() -> None:
+    assert parse_chunk_ids(["a" * 64] * 3, 3) == ["a" * 64] * 3
+    with pytest.raises(InvalidCheckpointRequest, match="at most 3 chunk ids"):
+        parse_chunk_ids(["a" * 64] * 4, 3)
 
 
 @given(run_token=st.from_regex(r"[0-9a-f]{6}", fullmatch=True),

@@ -1,37 +1,84 @@
-"""The checkpoint store over real files and an in-memory index: order, visibility, integrity."""
+"""The checkpoint store over a real chunk directory and an in-memory manifest index:
+visibility, dedupe, fencing, fallback on damage, retention and garbage collection."""
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import os
-from collections.abc import AsyncIterator, Callable
+import time
+from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 
 import msgspec
+import numpy as np
 import pytest
+import zstandard
 
-from m27.checkpoint_store._blobs import TEMP_DIR, FileBlobStore
-from m27.checkpoint_store._errors import (
+from m27.checkpoint_store._chunks import ChunkStore
+from m27.checkpoint_store._index import MemoryManifestIndex
+from m27.checkpoint_store._retention import RetentionPolicy
+from m27.checkpoint_store._store import CheckpointStore, upload_limit
+from m27.common import events
+from m27.common.checkpoint_api import (
     CheckpointCorrupt,
     CheckpointNotFound,
     CheckpointTooLarge,
+    ChunkMissing,
+    ChunksMissing,
     InvalidCheckpointRequest,
-    StorageError,
-    StorageUnavailable,
+    StaleAttempt,
 )
-from m27.checkpoint_store._index import MemoryRecordIndex
-from m27.checkpoint_store._model import CheckpointRecord, Header
-from m27.checkpoint_store._store import CheckpointStore
+from m27.common.checkpoint_format import Manifest, chunk_ids, plan_entry, read_entry
 
 RUN = "r-20240101-120000-abc123"
 TASK = f"{RUN}/train"
-HEADER = Header(run_id=RUN, step="train", attempt=1, name="epoch-1", metadata={"epoch": "1"})
+ZSTD = zstandard.ZstdCompressor(level=3)
+CHUNK = 64 * 1024
+
+
+def floats(n: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal(n).astype(np.float32)
+
+
+def plan(contents: Mapping[str, bytes], previous: Manifest | None = None, *,
+         task_id: str = TASK, attempt: int = 0,
+         **fields: object) -> tuple[Manifest, dict[str, bytes]]:
+    entries, chunks = [], {}
+    for name, data in contents.items():
+        before = previous.entry(name) if previous else None
+        entry, new = plan_entry(name, "tensor", memoryview(data), before, delta=False,
+                                compressor=ZSTD, chunk_bytes=CHUNK)
+        entries.append(entry)
+        chunks.update(new)
+    manifest = Manifest(task_id=task_id, attempt=attempt, entries=tuple(entries),
+                        **fields)  # type: ignore[arg-type]
+    return manifest, chunks
+
+
+async def stream(chunks: Mapping[str, bytes]) -> AsyncIterator[tuple[str, bytes]]:
+    for item in chunks.items():
+        await asyncio.sleep(0)
+        yield item
+
+
+async def upload(store: CheckpointStore, contents: Mapping[str, bytes],
+                 previous: Manifest | None = None, **fields: object) -> Manifest:
+    """What a client does: plan, ask what is missing, send only that, commit."""
+    manifest, chunks = plan(contents, previous, **fields)  # type: ignore[arg-type]
+    absent = await store.missing(manifest.task_id, manifest.attempt, sorted(chunks))
+    await store.put_chunks(manifest.task_id, manifest.attempt,
+                           stream({k: chunks[k] for k in absent}))
+    return (await store.commit(manifest.task_id, manifest.attempt,
+                               msgspec.json.encode(manifest))).manifest
+
+
+async def restore(store: CheckpointStore, manifest: Manifest) -> dict[str, bytes]:
+    wanted = sorted(chunk_ids(manifest))
+    got = {i: d async for i, d in store.get_chunks(wanted)}
+    return {e.name: read_entry(e, got.__getitem__) for e in manifest.entries}
 
 
 class Clock:
-    """A settable clock: ids and created_at come from it."""
-
     def __init__(self, now: float = 1_704_110_400.0) -> None:
         self.now = now
 
@@ -39,265 +86,302 @@ class Clock:
         return self.now
 
 
-class FailingIndex(MemoryRecordIndex):
-    async def put(self, record: CheckpointRecord) -> None:
-        raise StorageUnavailable("cannot commit a checkpoint record: NATS KV: down")
-
-
-async def parts(*chunks: bytes) -> AsyncIterator[bytes]:
-    for chunk in chunks:
-        await asyncio.sleep(0)
-        yield chunk
-
-
-def make_store(root: Path, index: MemoryRecordIndex | None = None, *, max_bytes: int = 1 << 30,
-               clock: Clock | None = None) -> CheckpointStore:
-    return CheckpointStore(FileBlobStore(root), index or MemoryRecordIndex(),
-                           max_bytes=max_bytes, clock=clock or Clock())
-
-
-async def read_all(store: CheckpointStore, task_id: str, checkpoint_id: str = "",
-                   chunk_bytes: int = 1 << 20) -> tuple[CheckpointRecord, list[bytes]]:
-    async with await store.open(task_id, checkpoint_id) as got:
-        return got.record, [chunk async for chunk in got.chunks(chunk_bytes)]
-
-
-def blob_file(root: Path, record: CheckpointRecord) -> Path:
-    return root.joinpath(*record.ref.blob_parts)
-
-
-@pytest.fixture
-async def store(tmp_path: Path) -> CheckpointStore:
-    store = make_store(tmp_path / "root")
-    await store.recover()
+def make_store(root: Path, *, index: MemoryManifestIndex | None = None,
+               **options: object) -> CheckpointStore:
+    store = CheckpointStore(ChunkStore(root), index or MemoryManifestIndex(),
+                            **options)  # type: ignore[arg-type]
+    store.chunks.prepare()
     return store
 
 
-async def test_put_then_get_returns_the_same_bytes(store: CheckpointStore) -> None:
-    """Bytes sent in uneven parts come back identical, with their size and sha256."""
-    data = os.urandom(3 * 1024 * 1024 + 17)
-    pieces = [data[i:i + 300_000] for i in range(0, len(data), 300_000)]
-    record = await store.put(HEADER, parts(*pieces))
-    assert record.size_bytes == len(data)
-    assert record.sha256 == hashlib.sha256(data).hexdigest()
-    assert (record.task_id, record.attempt, record.name) == (TASK, 1, "epoch-1")
-    assert record.metadata == {"epoch": "1"}
-    got, chunks = await read_all(store, TASK, record.checkpoint_id)
-    assert got == record
-    assert b"".join(chunks) == data
-    assert [len(c) for c in chunks] == [1 << 20, 1 << 20, 1 << 20, 17]
+@pytest.fixture
+def store(tmp_path: Path) -> CheckpointStore:
+    return make_store(tmp_path / "root")
 
 
-async def test_an_empty_checkpoint_is_allowed(store: CheckpointStore) -> None:
-    record = await store.put(HEADER, parts())
-    assert record.size_bytes == 0
-    assert (await read_all(store, TASK))[1] == []
+async def test_a_committed_checkpoint_restores_byte_for_byte(store: CheckpointStore) -> None:
+    contents = {"w": floats(100_000).tobytes(), "b": b"\x00" * 1000}
+    committed = await upload(store, contents, name="step-10", step=10, epoch=1,
+                             cursor={"offset": 640})
+    assert committed.checkpoint_id.startswith("c-")
+    assert (committed.seq, committed.step, committed.epoch, committed.cursor) == \
+        (1, 10, 1, {"offset": 640})
+    assert committed.size_bytes == 401_000
+    latest, skipped = await store.get_manifest(TASK)
+    assert (latest, skipped) == (committed, [])
+    assert await restore(store, latest) == contents
 
 
-async def test_list_is_oldest_first_and_latest_is_the_newest(tmp_path: Path) -> None:
-    """Ids sort by commit time, even within one millisecond or when the clock steps back."""
-    clock = Clock()
-    store = make_store(tmp_path / "root", clock=clock)
-    await store.recover()
-    ids = []
-    for step_back, payload in [(0.0, b"one"), (0.0, b"two"), (-5.0, b"three")]:
-        clock.now += step_back
-        ids.append((await store.put(HEADER, parts(payload))).checkpoint_id)
-    assert [r.checkpoint_id for r in await store.list(TASK)] == ids
-    assert sorted(ids) == ids
-    assert len(set(ids)) == 3
-    latest, chunks = await read_all(store, TASK)
-    assert latest.checkpoint_id == ids[-1]
-    assert chunks == [b"three"]
-    other = Header(run_id=RUN, step="eval", attempt=0)
-    await store.put(other, parts(b"other task"))
-    assert len(await store.list(TASK)) == 3
+async def test_a_second_checkpoint_sends_only_changed_chunks(store: CheckpointStore) -> None:
+    """Most of the weights unchanged: `missing` names only the changed chunks, and
+    `new_bytes` counts only their stored bytes."""
+    weights = floats(200_000)
+    first = await upload(store, {"w": weights.tobytes()})
+    assert first.new_bytes == sum(r.stored for r in first.entries[0].chunks)
+    changed = weights.copy()
+    changed[-100:] += 1.0
+    manifest, chunks = plan({"w": changed.tobytes()}, first)
+    absent = await store.missing(TASK, 0, sorted(chunks))
+    assert len(absent) == 1
+    assert len(manifest.entries[0].chunks) == 13
+    second = await upload(store, {"w": changed.tobytes()}, first)
+    assert second.new_bytes == second.entries[0].chunks[-1].stored
+    assert second.new_bytes < first.new_bytes / 10
+    assert (await restore(store, second))["w"] == changed.tobytes()
 
 
-async def test_concurrent_puts_get_unique_ordered_ids(store: CheckpointStore) -> None:
-    """Many Puts of one task at the same instant: all stored, all distinct, all listed."""
-    records = await asyncio.gather(*(store.put(HEADER, parts(bytes([i]) * 1000))
-                                     for i in range(20)))
-    ids = [r.checkpoint_id for r in records]
-    assert len(set(ids)) == 20
-    assert [r.checkpoint_id for r in await store.list(TASK)] == sorted(ids)
-    for record in records:
-        _, chunks = await read_all(store, TASK, record.checkpoint_id)
-        assert hashlib.sha256(b"".join(chunks)).hexdigest() == record.sha256
-
-
-async def test_created_at_is_the_commit_time(tmp_path: Path) -> None:
-    store = make_store(tmp_path / "root", clock=Clock(1_704_110_400.123))
-    await store.recover()
-    record = await store.put(HEADER, parts(b"x"))
-    assert record.created_at == pytest.approx(1_704_110_400.123)
-    assert record.checkpoint_id.startswith("c-1704110400123-")
-
-
-async def test_unknown_checkpoints_are_not_found(store: CheckpointStore) -> None:
-    with pytest.raises(CheckpointNotFound, match="has no checkpoints"):
-        await store.open(TASK)
-    with pytest.raises(CheckpointNotFound, match="has no checkpoint c-"):
-        await store.open(TASK, "c-1704110400000-0a1b2c")
+async def test_a_commit_with_chunks_missing_is_refused_and_invisible(
+        store: CheckpointStore) -> None:
+    manifest, chunks = plan({"w": floats(50_000).tobytes()})
+    some = dict(list(chunks.items())[:1])
+    await store.put_chunks(TASK, 0, stream(some))
+    with pytest.raises(ChunksMissing, match="3 of the checkpoint's 4 chunks are not stored") \
+            as caught:
+        await store.commit(TASK, 0, msgspec.json.encode(manifest))
+    assert set(caught.value.missing) == set(chunks) - set(some)
     assert await store.list(TASK) == []
+    with pytest.raises(CheckpointNotFound, match="has no checkpoints"):
+        await store.get_manifest(TASK)
+
+
+async def test_a_manifest_for_another_task_is_refused(store: CheckpointStore) -> None:
+    manifest, _ = plan({"w": b"x"}, task_id=f"{RUN}/eval")
+    with pytest.raises(InvalidCheckpointRequest, match="the request of"):
+        await store.commit(TASK, 0, msgspec.json.encode(manifest))
+
+
+async def test_stale_attempts_cannot_write(tmp_path: Path) -> None:
+    """With the fence at attempt 3, attempt 2 is refused at every writing call; reads and
+    attempt 3 work."""
+    fence = {"attempt": 3}
+
+    async def assigned(task_id: str) -> int | None:
+        return fence["attempt"] if task_id == TASK else None
+
+    store = make_store(tmp_path / "root", assigned_attempt=assigned)
+    manifest, chunks = plan({"w": b"state"}, attempt=2)
+    with pytest.raises(StaleAttempt, match=f"attempt 2 of {TASK} is stale: attempt 3"):
+        await store.missing(TASK, 2, list(chunks))
+    with pytest.raises(StaleAttempt):
+        await store.put_chunks(TASK, 2, stream(chunks))
+    assert list(store.chunks.files()) == []
+    assert await store.missing("", 0, list(chunks)) == list(chunks)  # unfenced: no task
+    await store.put_chunks(TASK, 3, stream(chunks))
+    with pytest.raises(StaleAttempt):
+        await store.commit(TASK, 2, msgspec.json.encode(manifest))
+    assert await store.list(TASK) == []
+    fresh = await upload(store, {"w": b"state"}, attempt=3)
+    assert fresh.attempt == 3
+    assert (await upload(store, {"w": b"x"}, task_id=f"{RUN}/eval")).attempt == 0
+
+
+async def test_a_fence_that_moves_during_commit_refuses_it(tmp_path: Path) -> None:
+    calls = []
+
+    async def assigned(task_id: str) -> int | None:
+        calls.append(task_id)
+        return 1 if len(calls) <= 2 else 2  # moves after missing and the first check
+
+    store = make_store(tmp_path / "root", assigned_attempt=assigned)
+    manifest, chunks = plan({"w": b"state"}, attempt=1)
+    await store.put_chunks(TASK, 1, stream(chunks))
+    with pytest.raises(StaleAttempt):
+        await store.commit(TASK, 1, msgspec.json.encode(manifest))
+    assert await store.list(TASK) == []
+
+
+async def test_size_limits_apply_to_uploads_and_commits(tmp_path: Path) -> None:
+    store = make_store(tmp_path / "root", max_bytes=1000)
+    _, chunks = plan({"w": os.urandom(upload_limit(1000) + 1)})
+    with pytest.raises(CheckpointTooLarge, match="at most 1000 bytes"):
+        await store.put_chunks(TASK, 0, stream(chunks))
+    small = await upload(store, {"w": b"x" * 1000})
+    assert small.size_bytes == 1000
+    big, _ = plan({"w": b"x" * 1001})
+    with pytest.raises(CheckpointTooLarge, match="holds 1001"):
+        await store.commit(TASK, 0, msgspec.json.encode(big))
+
+
+async def test_ids_and_seq_follow_commit_order_even_concurrently(tmp_path: Path) -> None:
+    clock = Clock()
+    store = make_store(tmp_path / "root", clock=clock,
+                       retention=RetentionPolicy(keep_last=0))
+    results = await asyncio.gather(*(upload(store, {"w": bytes([i]) * 100})
+                                     for i in range(12)))
+    clock.now -= 5  # a clock stepping back never reorders ids
+    results.append(await upload(store, {"w": b"last"}))
+    listed = await store.list(TASK)
+    assert [s.checkpoint_id for s in listed] == sorted(m.checkpoint_id for m in results)
+    assert [s.seq for s in listed] == list(range(1, 14))
+    assert listed[-1].checkpoint_id == results[-1].checkpoint_id
+
+
+async def test_one_checkpoint_by_id_and_unknown_ones(store: CheckpointStore) -> None:
+    first = await upload(store, {"w": b"one"})
+    await upload(store, {"w": b"two"})
+    assert (await store.get_manifest(TASK, first.checkpoint_id))[0] == first
+    with pytest.raises(CheckpointNotFound, match="has no checkpoint c-0000000000001-000000"):
+        await store.get_manifest(TASK, "c-0000000000001-000000")
+
+
+class Events:
+    def __init__(self) -> None:
+        self.seen: list[events.CheckpointCorrupt] = []
+
+    async def __call__(self, event: events.CheckpointCorrupt) -> None:
+        self.seen.append(event)
+
+
+async def test_latest_falls_back_past_a_damaged_checkpoint_with_an_event(
+        tmp_path: Path) -> None:
+    """A newer checkpoint whose chunk is missing or resized is skipped; the event names it,
+    the chunk and the checkpoint handed out instead."""
+    seen = Events()
+    store = make_store(tmp_path / "root", on_corrupt=seen)
+    good = await upload(store, {"w": b"good state" * 1000})
+    bad = await upload(store, {"w": b"newer state" * 1000})
+    (chunk,) = chunk_ids(bad)
+    path = store.chunks.dir.path(chunk)
+    path.write_bytes(path.read_bytes()[:-1])
+    latest, skipped = await store.get_manifest(TASK)
+    assert latest == good
+    assert skipped == [bad.checkpoint_id]
+    assert [(e.task_id, e.checkpoint_id, e.chunk_id, e.fell_back_to) for e in seen.seen] == \
+        [(TASK, bad.checkpoint_id, chunk, good.checkpoint_id)]
+    assert "bytes on disk" in seen.seen[0].reason
+    path.unlink()
+    for good_chunk in chunk_ids(good):
+        store.chunks.dir.path(good_chunk).unlink()
+    with pytest.raises(CheckpointCorrupt, match=r"every checkpoint of .* has missing"):
+        await store.get_manifest(TASK)
+    assert [e.fell_back_to for e in seen.seen[1:]] == ["", ""]
+
+
+async def test_a_bit_flip_ends_get_chunks_then_latest_falls_back(tmp_path: Path) -> None:
+    """Same size, different bytes: only reading finds it. The stream ends at that chunk,
+    the chunk is quarantined, and the next `latest` skips the damaged checkpoint."""
+    seen = Events()
+    store = make_store(tmp_path / "root", on_corrupt=seen)
+    good = await upload(store, {"w": floats(50_000, seed=1).tobytes()})
+    bad = await upload(store, {"w": floats(50_000, seed=2).tobytes()})
+    ids = [r.id for r in bad.entries[0].chunks]
+    path = store.chunks.dir.path(ids[2])
+    damaged = bytearray(path.read_bytes())
+    damaged[7] ^= 0x10
+    path.write_bytes(bytes(damaged))
+    received = []
+
+    async def read() -> None:
+        async for chunk_id, _ in store.get_chunks(ids):
+            received.append(chunk_id)
+
+    with pytest.raises(CheckpointCorrupt, match=f"chunk {ids[2]} is corrupt"):
+        await read()
+    assert received == ids[:2]
+    latest, skipped = await store.get_manifest(TASK)
+    assert (latest.checkpoint_id, skipped) == (good.checkpoint_id, [bad.checkpoint_id])
+    assert seen.seen[0].chunk_id == ids[2]
+    with pytest.raises(ChunkMissing):
+        async for _ in store.get_chunks([ids[2]]):
+            pass
+
+
+async def test_retention_keeps_the_last_n_and_every_mth(tmp_path: Path) -> None:
+    store = make_store(tmp_path / "root", retention=RetentionPolicy(keep_last=2, keep_every=3))
+    committed = [await upload(store, {"w": bytes([i]) * 50}) for i in range(7)]
+    assert [s.seq for s in await store.list(TASK)] == [3, 6, 7]
+    other = await upload(store, {"w": b"other"}, task_id=f"{RUN}/eval")
+    assert [s.checkpoint_id for s in await store.list(f"{RUN}/eval")] == [other.checkpoint_id]
+    assert len(await store.list(run_id=RUN)) == 4
+    assert committed[-1].seq == 7
+
+
+async def test_gc_removes_only_unreferenced_chunks_past_the_grace_period(
+        tmp_path: Path) -> None:
+    """Chunks only retired checkpoints used go once old; chunks a kept checkpoint uses (an
+    unchanged one shared with a retired checkpoint included) and fresh uploads stay."""
+    store = make_store(tmp_path / "root", retention=RetentionPolicy(keep_last=1),
+                       gc_grace_s=3600)
+    shared = floats(20_000, seed=5).tobytes()
+    old = await upload(store, {"shared": shared, "w": b"old" * 100})
+    new = await upload(store, {"shared": shared, "w": b"new" * 100}, old)
+    assert [s.checkpoint_id for s in await store.list(TASK)] == [new.checkpoint_id]
+    _, pending = plan({"w": b"being uploaded"})
+    await store.put_chunks(TASK, 0, stream(pending))
+    retired = chunk_ids(old) - chunk_ids(new)
+    assert len(retired) == 1
+    long_ago = time.time() - 7200
+    for chunk in store.chunks.files():
+        os.utime(store.chunks.dir.path(chunk.id), (long_ago, long_ago))
+    (young,) = pending
+    os.utime(store.chunks.dir.path(young))
+    report = await store.collect_garbage()
+    assert (report.deleted, report.referenced, report.young) == (1, len(chunk_ids(new)), 1)
+    remaining = {c.id for c in store.chunks.files()}
+    assert remaining == chunk_ids(new) | {young}
+    assert await restore(store, new) == {"shared": shared, "w": b"new" * 100}
+
+
+async def test_an_unreadable_manifest_stops_the_sweep(tmp_path: Path) -> None:
+    index = MemoryManifestIndex()
+    store = make_store(tmp_path / "root", index=index, gc_grace_s=0)
+    await store.put_chunks(TASK, 0, stream(plan({"w": b"orphan"})[1]))
+    index.values[f"{RUN}.train.c-0000000000001-aaaaaa"] = b"{garbage"
+    with pytest.raises(CheckpointCorrupt, match="unreadable"):
+        await store.collect_garbage()
+    assert len(list(store.chunks.files())) == 1
+    assert await store.list(TASK) == []  # a listing skips it instead
+
+
+async def test_a_cancelled_upload_leaves_no_temp_file(store: CheckpointStore) -> None:
+    started = asyncio.Event()
+
+    async def slow() -> AsyncIterator[tuple[str, bytes]]:
+        _, chunks = plan({"w": floats(40_000).tobytes()})
+        for item in chunks.items():
+            yield item
+            started.set()
+            await asyncio.sleep(60)
+
+    task = asyncio.create_task(store.put_chunks(TASK, 0, slow()))
+    await asyncio.wait_for(started.wait(), 5)
+    await asyncio.sleep(0.2)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    leftovers = [p for p in store.chunks.dir.root.rglob("*") if p.is_file()
+                 and p.name.startswith(".tmp-")]
+    assert leftovers == []
+
+
+async def test_delete_forgets_a_checkpoint(store: CheckpointStore) -> None:
+    keep = await upload(store, {"w": b"keep"})
+    gone = await upload(store, {"w": b"gone"})
+    assert await store.delete(TASK, gone.checkpoint_id) is True
+    assert await store.delete(TASK, gone.checkpoint_id) is False
+    assert [s.checkpoint_id for s in await store.list(TASK)] == [keep.checkpoint_id]
+    with pytest.raises(InvalidCheckpointRequest, match="checkpoint_id is required"):
+        await store.delete(TASK, "")
 
 
 @pytest.mark.parametrize("task_id", ["../../etc", "r-x/../y", "/etc/passwd", f"{TASK}/x"])
 async def test_hostile_task_ids_are_invalid_everywhere(store: CheckpointStore,
                                                        task_id: str) -> None:
-    with pytest.raises(InvalidCheckpointRequest):
-        await store.open(task_id)
-    with pytest.raises(InvalidCheckpointRequest):
-        await store.list(task_id)
-    with pytest.raises(InvalidCheckpointRequest):
-        await store.delete(task_id, "c-1704110400000-0a1b2c")
+    manifest, chunks = plan({"w": b"x"})
+    calls = [store.get_manifest(task_id), store.list(task_id),
+             store.delete(task_id, "c-1704110400000-0a1b2c"),
+             store.missing(task_id, 0, list(chunks)),
+             store.put_chunks(task_id, 0, stream(chunks)),
+             store.commit(task_id, 0, msgspec.json.encode(manifest))]
+    for call in calls:
+        with pytest.raises(InvalidCheckpointRequest):
+            await call
+    assert list(store.chunks.files()) == []
 
 
-@pytest.mark.parametrize("position", [0, 1 << 20, (2 << 20) + 5])
-async def test_a_flipped_byte_is_detected_and_the_last_chunk_withheld(
-        tmp_path: Path, store: CheckpointStore, position: int) -> None:
-    """Corruption anywhere ends the stream with CheckpointCorrupt before the final chunk."""
-    data = os.urandom((2 << 20) + 10)
-    record = await store.put(HEADER, parts(data))
-    path = blob_file(tmp_path / "root", record)
-    raw = bytearray(path.read_bytes())
-    raw[position] ^= 0x01
-    path.write_bytes(bytes(raw))
-    received: list[bytes] = []
-
-    async def consume() -> None:
-        async with await store.open(TASK, record.checkpoint_id) as got:
-            async for chunk in got.chunks():
-                received.append(chunk)
-
-    with pytest.raises(CheckpointCorrupt, match="sha256 does not match"):
-        await consume()
-    assert sum(map(len, received)) == 2 << 20  # never the whole blob
-
-
-@pytest.mark.parametrize(("change", "message"), [
-    (lambda b: b[:-1], "bytes on disk"),
-    (lambda b: b + b"!", "bytes on disk"),
-])
-async def test_a_resized_blob_is_corrupt_before_any_byte(
-        tmp_path: Path, store: CheckpointStore, change: Callable[[bytes], bytes],
-        message: str) -> None:
-    record = await store.put(HEADER, parts(b"0123456789"))
-    path = blob_file(tmp_path / "root", record)
-    path.write_bytes(change(path.read_bytes()))
-    with pytest.raises(CheckpointCorrupt, match=message):
-        await store.open(TASK, record.checkpoint_id)
-
-
-async def test_a_vanished_blob_with_a_record_is_data_loss(tmp_path: Path,
-                                                          store: CheckpointStore) -> None:
-    record = await store.put(HEADER, parts(b"data"))
-    blob_file(tmp_path / "root", record).unlink()
-    with pytest.raises(CheckpointCorrupt, match="missing from disk"):
-        await store.open(TASK, record.checkpoint_id)
-
-
-async def test_a_checkpoint_deleted_while_opening_is_not_found(tmp_path: Path) -> None:
-    """Delete removes the record first: a reader racing it sees NOT_FOUND, not DATA_LOSS."""
-    index = MemoryRecordIndex()
-    store = make_store(tmp_path / "root", index)
-    await store.recover()
-    record = await store.put(HEADER, parts(b"data"))
-    original_find = store.find
-
-    async def find_then_delete(task_id: str, checkpoint_id: str) -> CheckpointRecord:
-        found = await original_find(task_id, checkpoint_id)
-        await store.delete(task_id, found.checkpoint_id)
-        return found
-
-    store.find = find_then_delete  # type: ignore[method-assign]
-    with pytest.raises(CheckpointNotFound):
-        await store.open(TASK, record.checkpoint_id)
-
-
-async def test_too_large_is_refused_and_leaves_nothing(tmp_path: Path) -> None:
-    store = make_store(tmp_path / "root", max_bytes=10)
-    await store.recover()
-    assert (await store.put(HEADER, parts(b"12345", b"67890"))).size_bytes == 10
-    with pytest.raises(CheckpointTooLarge, match="at most 10 bytes"):
-        await store.put(HEADER, parts(b"12345", b"678901"))
-    assert len(await store.list(TASK)) == 1
-    assert os.listdir(tmp_path / "root" / TEMP_DIR) == []
-
-
-async def test_a_failed_stream_commits_nothing(tmp_path: Path, store: CheckpointStore) -> None:
-    """A Put whose client fails mid-stream leaves the previous checkpoint the latest."""
-    first = await store.put(HEADER, parts(b"good"))
-
-    async def broken() -> AsyncIterator[bytes]:
-        yield b"half"
-        raise InvalidCheckpointRequest("Put message 2 carries neither header nor data")
-
-    with pytest.raises(InvalidCheckpointRequest):
-        await store.put(HEADER, broken())
-    assert [r.checkpoint_id for r in await store.list(TASK)] == [first.checkpoint_id]
-    assert os.listdir(tmp_path / "root" / TEMP_DIR) == []
-
-
-async def test_a_cancelled_put_leaves_no_temp_file(tmp_path: Path,
-                                                   store: CheckpointStore) -> None:
-    started = asyncio.Event()
-
-    async def slow() -> AsyncIterator[bytes]:
-        yield b"x" * (2 << 20)
-        started.set()
-        await asyncio.sleep(60)
-        yield b"never"
-
-    task = asyncio.create_task(store.put(HEADER, slow()))
-    await asyncio.wait_for(started.wait(), 5)
-    task.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await task
-    assert os.listdir(tmp_path / "root" / TEMP_DIR) == []
-    assert await store.list(TASK) == []
-
-
-async def test_no_record_means_no_checkpoint(tmp_path: Path) -> None:
-    """If the record cannot be committed the Put fails and nothing becomes visible."""
-    store = make_store(tmp_path / "root", FailingIndex())
-    await store.recover()
-    with pytest.raises(StorageUnavailable):
-        await store.put(HEADER, parts(b"data"))
-    assert await store.list(TASK) == []
-
-
-async def test_delete_removes_record_then_file(tmp_path: Path) -> None:
-    index = MemoryRecordIndex()
-    store = make_store(tmp_path / "root", index)
-    await store.recover()
-    keep = await store.put(HEADER, parts(b"keep"))
-    gone = await store.put(HEADER, parts(b"gone"))
-    assert await store.delete(TASK, gone.checkpoint_id) is True
-    assert not blob_file(tmp_path / "root", gone).exists()
-    assert gone.ref.key not in index.values
-    assert [r.checkpoint_id for r in await store.list(TASK)] == [keep.checkpoint_id]
-    assert await store.delete(TASK, gone.checkpoint_id) is False
-    with pytest.raises(InvalidCheckpointRequest, match="checkpoint_id is required"):
-        await store.delete(TASK, "")
-
-
-async def test_delete_also_clears_an_orphan_blob(tmp_path: Path) -> None:
-    """A crash between the two steps of Delete leaves a file; a retried Delete removes it."""
-    index = MemoryRecordIndex()
-    store = make_store(tmp_path / "root", index)
-    await store.recover()
-    record = await store.put(HEADER, parts(b"data"))
-    await index.delete(record.ref)
-    assert await store.delete(TASK, record.checkpoint_id) is False
-    assert not blob_file(tmp_path / "root", record).exists()
-
-
-async def test_an_unknown_layout_is_refused(tmp_path: Path) -> None:
-    index = MemoryRecordIndex()
-    store = make_store(tmp_path / "root", index)
-    await store.recover()
-    record = await store.put(HEADER, parts(b"data"))
-    await index.put(msgspec.structs.replace(record, layout="chunked-zstd"))
-    with pytest.raises(StorageError, match="cannot read"):
-        await store.open(TASK, record.checkpoint_id)
+async def test_list_takes_exactly_one_of_task_and_run(store: CheckpointStore) -> None:
+    for args in [("", ""), (TASK, RUN)]:
+        with pytest.raises(InvalidCheckpointRequest, match="exactly one"):
+            await store.list(*args)
+    with pytest.raises(InvalidCheckpointRequest, match="run_id must look like"):
+        await store.list(run_id="r-*")

@@ -43,13 +43,13 @@ LOST = NodeStatus(node_id="gpu-box-02", hostname="g", backend="nvml", state="los
 
 def test_nodes_show_state_backend_heartbeat_cpu_and_every_gpu() -> None:
     assert render_nodes([NODE, LOST]) == [
-        "NODE        STATE    BACKEND                     HEARTBEAT    CPU",
-        "node-1      up       simulated (not real GPUs)   400ms ago    1/16     cgroups",
+        "NODE        STATE     BACKEND                     HEARTBEAT    CPU",
+        "node-1      up        simulated (not real GPUs)   400ms ago    1/16     cgroups",
         "    GPU     UTIL  MEMORY             TEMP  POWER       THROTTLE  TASKS",
         f"    0 sim    37%  4.0/16.0 GiB       51°C  120/300 W   thermal   {RUN}/train#1 ×0.5, "
         f"{RUN}/eval#2 ×0.3 paused",
         "    1 sim     0%  0.0/16.0 GiB       30°C  —           —         —",
-        "gpu-box-02  LOST     nvml                        42s ago      0/64",
+        "gpu-box-02  LOST      nvml                        42s ago      0/64",
     ]
 
 

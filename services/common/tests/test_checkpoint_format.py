@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import numpy as np
 import pytest
 import zstandard
@@ -12,6 +15,7 @@ from m27.common.checkpoint_format import (
     chunk_ids,
     plan_entry,
     read_entry,
+    sha256,
 )
 
 ZSTD = zstandard.ZstdCompressor(level=3)
@@ -121,3 +125,27 @@ def test_a_local_store_commits_only_complete_checkpoints(tmp_path: object) -> No
         store.read_chunk(chunk_id)
     with pytest.raises(ValueError, match="not a task id"):
         store.list("../../etc")
+
+
+def test_a_chunk_directory_ignores_symlinks_and_fifos_in_place_of_chunks(tmp_path: Path) -> None:
+    from m27.common.checkpoint_storage import ChunkDir
+
+    chunks = ChunkDir(tmp_path)
+    data = b"real bytes"
+    chunk_id = sha256(data)
+    target = chunks.path(chunk_id)
+    target.parent.mkdir(parents=True)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.write_bytes(data)
+    target.symlink_to(elsewhere)
+    assert not chunks.has(chunk_id)
+    with pytest.raises(OSError, match=r"symbolic links|Too many levels"):
+        chunks.get(chunk_id)
+    target.unlink()
+    os.mkfifo(target)
+    assert not chunks.has(chunk_id)
+    with pytest.raises(CorruptChunk, match="not a regular file"):
+        chunks.get(chunk_id)
+    target.unlink()
+    assert chunks.put(chunk_id, data)
+    assert chunks.get(chunk_id) == data
