@@ -11,7 +11,7 @@ import sys
 from collections.abc import Sequence
 
 from m27 import __version__
-from m27.cli import _checkpoints, _cluster, _runs, _system
+from m27.cli import _checkpoints, _cluster, _queue, _runs, _simulate, _system
 from m27.common.errors import M27Error
 
 EPILOG = """\
@@ -22,9 +22,12 @@ typical use:
   m27 runs --state failed      runs, newest first, filtered
   m27 retry RUN                run again what did not succeed
   m27 nodes                    nodes and GPUs: utilization, memory, who holds what
+  m27 queue --explain          what waits, in which order, and why (score breakdown)
+  m27 node drain NODE          no new work; checkpointing tasks move elsewhere
   m27 logs RUN STEP -f         a step's output, following it while it runs
   m27 checkpoints RUN STEP     a step's checkpoints; `restore` copies one to a directory
   m27 demo                     run the bundled demo pipeline end to end
+  m27 simulate --trace FILE    replay a trace under scheduling policies (simulated GPUs)
   m27 down                     stop everything (runs are kept)
 
 environment: M27_HOME (data dir), M27_CONFIG (config file, default ~/.m2config),
@@ -47,7 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
     _system.add_commands(sub)
     _runs.add_commands(sub)
     _cluster.add_commands(sub)
+    _queue.add_commands(sub)
     _checkpoints.add_commands(sub)
+    _simulate.add_commands(sub)
     return parser
 
 

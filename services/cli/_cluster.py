@@ -13,8 +13,10 @@ import contextlib
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import BinaryIO, Final, TextIO
+
+import msgspec
 
 from m27.cli._common import Subparsers, add, print_json, with_client
 from m27.client import Client, ClientError, GpuStatus, LogChunk, NodeStatus, TaskShare
@@ -98,24 +100,31 @@ GPU_HEADER: Final = (f"    {'GPU':<6} {'UTIL':>5}  {'MEMORY':<16} {'TEMP':>6}  {
                      f"{'THROTTLE':<9} TASKS")
 
 
-def node_line(node: NodeStatus, width: int) -> str:
+def node_line(node: NodeStatus, width: int, maintenance: str = "") -> str:
     extras = [name for name, on in (("cgroups", node.cgroups), ("mps", node.mps)) if on]
     state = node.state.upper() if node.state == "lost" else node.state
+    if maintenance:  # `m27 node cordon|drain`: no new work
+        state = f"{state}/{maintenance}"
     cpu = f"{node.cpu_used}/{node.cpu_slots}"
     line = (f"{node.node_id:<{width}}  {state:<8}  {backend_label(node.backend):<26}  "
             f"{_age(node.heartbeat_age_s):<11}  {cpu:<7}  {' '.join(extras)}")
     return line.rstrip()
 
 
-def render_nodes(nodes: Sequence[NodeStatus]) -> list[str]:
-    """`m27 nodes`: one line per node, then a line per GPU."""
+def render_nodes(nodes: Sequence[NodeStatus],
+                 maintenance: Mapping[str, str] | None = None) -> list[str]:
+    """`m27 nodes`: one line per node, then a line per GPU. `maintenance`: node →
+    cordoned / draining."""
+    marks = maintenance or {}
     if not nodes:
         return ["no nodes registered: start a node-agent (`m27 up` starts one)"]
     width = max(4, *(len(n.node_id) for n in nodes))
-    lines = [f"{'NODE':<{width}}  {'STATE':<8}  {'BACKEND':<26}  {'HEARTBEAT':<11}  "
+    state_width = max(8, *(len(n.state) + len(marks.get(n.node_id, "")) + 1
+                           for n in nodes if n.node_id in marks)) if marks else 8
+    lines = [f"{'NODE':<{width}}  {'STATE':<{state_width}}  {'BACKEND':<26}  {'HEARTBEAT':<11}  "
              f"{'CPU':<7}".rstrip()]
     for node in nodes:
-        lines.append(node_line(node, width))
+        lines.append(node_line(node, width, marks.get(node.node_id, "")))
         if node.gpus:
             lines.append(GPU_HEADER)
             lines.extend(gpu_line(g) for g in node.gpus)
@@ -150,11 +159,15 @@ def destination(chunk: LogChunk, asked: str) -> str:
 
 
 def cmd_nodes(args: argparse.Namespace) -> int:
+    from m27.cli._queue import maintenance_states
+
     nodes = with_client(args, lambda c: c.list_nodes())
+    maintenance = maintenance_states(args)
     if args.json:
-        print_json(nodes)
+        print_json([{**msgspec.to_builtins(n), "maintenance": maintenance.get(n.node_id, "")}
+                    for n in nodes])
     else:
-        print("\n".join(render_nodes(nodes)))
+        print("\n".join(render_nodes(nodes, maintenance)))
     return 0
 
 

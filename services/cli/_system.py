@@ -73,6 +73,10 @@ def cmd_status(args: argparse.Namespace) -> int:
     for row in system.statuses(state):
         mark = "up  " if row.alive else "DOWN"
         print(f"  {mark} {row.name:<18} pid {row.pid:<8} {row.grpc_address}")
+    from m27.cli._queue import maintenance_states
+
+    for node_id, held in sorted(maintenance_states(args).items()):
+        print(f"  node {node_id} is {held} (`m27 node uncordon {node_id}` returns it)")
     return 0 if system.is_up(state) else 1
 
 

@@ -56,6 +56,21 @@ class SchedulerSection(msgspec.Struct, frozen=True, kw_only=True):
     node_timeout: Duration = 15.0  # no heartbeat for this long: the node is lost
     gpu_light_share: Annotated[float, msgspec.Meta(ge=0.1, le=0.9)] = 0.5
     tick: Duration = 1.0
+    # The policy's knobs (docs/configuration.md; the score formula in docs/scheduling.md).
+    # Maps are written `name:value,name:value`.
+    urgency_weights: str = "low:0,normal:100,high:200,urgent:400"
+    user_levels: str = ""  # e.g. "alice:pi,bob:staff"; anyone else has default_level
+    level_weights: str = "student:0,staff:20,pi:40"
+    default_level: str = "student"
+    aging_per_hour: Annotated[float, msgspec.Meta(ge=0.0)] = 25.0
+    held_per_gpu_hour: Annotated[float, msgspec.Meta(ge=0.0)] = 5.0
+    max_temperature: Annotated[float, msgspec.Meta(ge=0.0, le=150.0)] = 80.0  # °C
+    min_runtime: Duration = 300.0  # younger tasks are not preempted
+    preempt_grace: Duration = 60.0  # checkpoint-then-stop: SIGKILL after this
+    preemption: bool = True
+    backfill: bool = True
+    ready_pool: Annotated[int, msgspec.Meta(ge=0, le=1000)] = 2
+    max_pause: Duration = 600.0  # a paused preemptible backfill is preempted after this
 
 
 class PerformanceSection(msgspec.Struct, frozen=True, kw_only=True):

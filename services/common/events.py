@@ -279,6 +279,10 @@ class EnqueueTask(_Message, frozen=True, tag="enqueue_task"):
     preemptible: bool = False
     not_before: float = 0.0  # a retry's backoff: not to be started before this time
     checkpoint_signal: str = "SIGUSR1"
+    #: A preempted task's requeue keeps its place: when it first entered the queue (0: now)
+    #: and the GPU-seconds its earlier attempts held (aging, "long holders yield").
+    queued_at: float = 0.0
+    attained_gpu_s: float = 0.0
 
 
 class CancelTask(_Message, frozen=True, tag="cancel_task"):
@@ -318,6 +322,9 @@ class StopTask(_Message, frozen=True, tag="stop_task"):
     attempt: int
     grace_s: float = 10.0
     reason: str = ""
+    #: What the agent reports as the exit's cause: "preempted" (preemption, drain) is
+    #: requeued without using a retry budget; "stopped" is a cancel.
+    cause: Literal["stopped", "preempted"] = "stopped"
 
 
 class CheckpointTask(_Message, frozen=True, tag="checkpoint_task"):

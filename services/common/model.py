@@ -101,6 +101,7 @@ class StepRecord(msgspec.Struct, frozen=True, kw_only=True):
     attempt: int = 0
     failures: int = 0
     infra_failures: int = 0
+    preemptions: int = 0  # requeued after a preemption or drain (uses no retry budget)
     node_id: str | None = None
     gpu_ids: tuple[int, ...] = ()
     gpu_share: float = 0.0

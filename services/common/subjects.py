@@ -121,6 +121,7 @@ SERVICES_BUCKET: Final = "m27_services"
 CHECKPOINTS_BUCKET: Final = "m27_checkpoints"
 CACHE_BUCKET: Final = "m27_cache"
 FENCES_BUCKET: Final = "m27_fences"
+MAINTENANCE_BUCKET: Final = "m27_maintenance"
 
 
 class BucketSpec(msgspec.Struct, frozen=True, kw_only=True):
@@ -156,6 +157,10 @@ BUCKETS: Final[tuple[BucketSpec, ...]] = (
     BucketSpec(
         name=CHECKPOINTS_BUCKET,
         description="Checkpoint-store: run_id.step.checkpoint_id → checkpoint record.",
+    ),
+    BucketSpec(
+        name=MAINTENANCE_BUCKET,
+        description="Scheduler: node_id → cordoned or draining (m27 node cordon|drain).",
     ),
 )
 

@@ -538,7 +538,7 @@ class TaskRunner:
                 log.info("task.stop_ignored", reason=cmd.reason,
                          why="finished" if task else "not running here")
                 return
-            self._terminate(task, stop_requested(cmd.reason), cmd.grace_s)
+            self._terminate(task, stop_requested(cmd.reason, cmd.cause), cmd.grace_s)
 
     def _terminate(self, task: RunningTask, why: StopRequest, grace_s: float) -> None:
         """SIGTERM the group now, SIGKILL it after `grace_s`; the first `why` is reported."""

@@ -201,9 +201,9 @@ class StopRequest:
     note: str
 
 
-def stop_requested(reason: str) -> StopRequest:
-    """A StopTask (the scheduler cancels or preempts the task)."""
-    return StopRequest("stopped", stop_note(reason))
+def stop_requested(reason: str, cause: ExitCause = "stopped") -> StopRequest:
+    """A StopTask: the scheduler cancels ("stopped") or preempts/drains ("preempted")."""
+    return StopRequest(cause, stop_note(reason))
 
 
 def superseded_by(attempt: int) -> StopRequest:

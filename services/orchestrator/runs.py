@@ -259,8 +259,32 @@ def _finish_attempt(change: _Change, step: StepRecord, event: events.TaskExited)
     elif _succeeded(event):
         change.set_step(step.name, "succeeded", "", **fields)
         _after_step_ended(change, step.name, "succeeded")
+    elif event.cause == "preempted" and event.started:
+        _requeue_preempted(change, step, record, fields)
     else:
         _fail_or_retry(change, step, event, record.reason, fields)
+
+
+def attained_gpu_s(step: StepRecord, history: Iterable[AttemptRecord]) -> float:
+    """GPU-seconds the step's attempts have held (what its priority's "held" term counts)."""
+    return sum(max(0.0, (a.ended_at or 0.0) - (a.started_at or a.ended_at or 0.0))
+               for a in history) * step.resources.gpus
+
+
+def _requeue_preempted(change: _Change, step: StepRecord, record: AttemptRecord,
+                       fields: dict[str, object]) -> None:
+    """Preempted (or moved off a draining node) after a checkpoint-then-stop: not a failure.
+    The next attempt is queued at once, uses no retry budget, and keeps its urgency, its
+    first queue time and the GPU time it held, so it resumes where it stood in the queue."""
+    change.set_step(step.name, "retrying",
+                    f"{record.reason}; requeued with its priority (preemption "
+                    f"{step.preemptions + 1}, no retry budget used)",
+                    attempt=step.attempt + 1, preemptions=step.preemptions + 1, **fields)
+    now_step = change.steps[step.name]
+    enqueue = _enqueue(change.run, now_step, change.now)
+    change.emit(subjects.SCHEDULER_COMMANDS, replace(
+        enqueue, queued_at=step.queued_at or change.now,
+        attained_gpu_s=attained_gpu_s(step, now_step.history)))
 
 
 def _succeeded(event: events.TaskExited) -> bool:

@@ -1,6 +1,9 @@
 """Placement policy (pure): `(cluster, queue, now) -> decisions`, each with its reason.
 
-For now a simple, predictable policy: tasks in order of urgency, then waiting time; each is
+The policy core is `decide(state, queue, now, settings)` (and `explain`) over the structs
+of `m27.scheduler.model`; it lives in `_core` and its helpers (docs/scheduling.md). The
+older `schedule(nodes, placements, queue)` below stays until the service has moved over:
+for now a simple, predictable policy: tasks in order of urgency, then waiting time; each is
 placed on the first capacity that fits, so a small task may start while a big one waits.
 GPU capacity counts in tenths. Fractional requests go best-fit onto the GPU whose free share
 they fill most tightly (packing leaves whole GPUs free for whole-GPU work); whole-GPU
@@ -17,6 +20,15 @@ import msgspec
 
 from m27.common.events import EnqueueTask
 from m27.common.model import TENTHS_PER_GPU, GpuInfo, Urgency
+from m27.scheduler._core import Explanation, decide, explain
+from m27.scheduler._packing import Packer, Request, request_of, typical_demand
+from m27.scheduler._priority import Score
+
+__all__ = [
+    "URGENCY_RANK", "Decision", "Explanation", "Node", "Packer", "Place", "Placement",
+    "QueuedTask", "Request", "Score", "Wait", "decide", "explain", "is_alive",
+    "queue_order", "request_of", "schedule", "typical_demand",
+]
 
 URGENCY_RANK: Final[dict[Urgency, int]] = {"low": 0, "normal": 1, "high": 2, "urgent": 3}
 

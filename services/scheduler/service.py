@@ -1,8 +1,11 @@
-"""The scheduler's shell: keeps the task table and node view, applies the policy's decisions.
+"""The scheduler's shell: keeps the task table and node view, runs the policy, applies its
+decisions.
 
-Durable state is the tasks bucket (queued and placed tasks); nodes come from the nodes
-bucket, which every node-agent refreshes with each heartbeat, and from the heartbeats
-themselves. A command is acked only once its effect is in the tasks bucket.
+Durable state is the tasks bucket (queued and placed tasks, `_state.TaskEntry`) and the
+maintenance bucket (cordoned and draining nodes); nodes come from the nodes bucket, which
+every node-agent refreshes with each renewal, and from the heartbeats themselves (the
+latest GPU readings). Task events keep the table current: started, exited, and idle / busy
+(the I/O stalls backfill uses). A command is acked only once its effect is stored.
 """
 
 from __future__ import annotations
@@ -19,10 +22,22 @@ from m27.common import bus as bus_module
 from m27.common import events, subjects
 from m27.common.bus import Bus
 from m27.common.logging import bound_contextvars, get_logger
-from m27.common.model import TENTHS_PER_GPU, Fence, NodeInfo
+from m27.common.model import NodeInfo
 from m27.common.service import ServiceRuntime
-from m27.scheduler import policy
-from m27.scheduler.policy import Node, Place, Placement, QueuedTask
+from m27.scheduler import _api, policy
+from m27.scheduler._apply import Effects, Table
+from m27.scheduler._state import (
+    Maintenance,
+    MaintenanceState,
+    NodeView,
+    TaskEntry,
+    UnknownNode,
+    attempt_gpu_s,
+    cluster_state,
+    policy_settings,
+    queue_of,
+)
+from m27.scheduler.model import ClusterState, PolicySettings, Queued
 
 log = get_logger()
 
@@ -30,32 +45,30 @@ NODE_REFRESH_S: Final = 5.0
 STOP_GRACE_S: Final = 10.0
 
 
-class TaskEntry(msgspec.Struct, frozen=True, kw_only=True):
-    """One task the scheduler is responsible for, as stored in the tasks bucket."""
-
-    task: events.EnqueueTask
-    queued_at: float
-    placement: Placement | None = None
-    started: bool = False
-    wait_reason: str = ""
-
-
 class Scheduler:
-    def __init__(self, bus: Bus, node_timeout: float, tick: float) -> None:
+    def __init__(self, bus: Bus, node_timeout: float, tick: float,
+                 settings: PolicySettings | None = None) -> None:
         self.bus = bus
         self.node_timeout = node_timeout
         self.tick = tick
-        self.nodes: dict[str, Node] = {}
+        self.settings = settings or PolicySettings()
+        self.nodes: dict[str, NodeInfo] = {}
         # node → (incarnation, seq, when this scheduler saw it, on its monotonic clock).
         # Liveness is "a new renewal was seen lately", never a comparison of two machines'
         # clocks.
         self.seen: dict[str, tuple[str, int, float]] = {}
-        self.entries: dict[str, TaskEntry] = {}
+        self.maintenance: dict[str, Maintenance] = {}
+        self.table = Table(bus)
+        self.effects = Effects(bus, self.table)
         self.lost: set[str] = set()
         self.wake = asyncio.Event()
         # Handlers and decisions interleave at every await; one at a time keeps the task
         # table consistent with what was published.
         self.lock = asyncio.Lock()
+
+    @property
+    def entries(self) -> dict[str, TaskEntry]:
+        return self.table.entries
 
     async def load(self) -> None:
         """Rebuild the in-memory view from the buckets (after a restart)."""
@@ -64,20 +77,29 @@ class Scheduler:
             if got is not None:
                 self.entries[got[0].task.task_id] = got[0]
         await self.refresh_nodes()
-        log.info("scheduler.loaded", tasks=len(self.entries), nodes=len(self.nodes))
+        log.info("scheduler.loaded", tasks=len(self.entries), nodes=len(self.nodes),
+                 maintenance=len(self.maintenance))
 
     async def refresh_nodes(self) -> None:
-        seen: dict[str, Node] = {}
+        seen: dict[str, NodeInfo] = {}
         for key in await self.bus.kv_keys(subjects.NODES_BUCKET):
             got = await self.bus.kv_get(subjects.NODES_BUCKET, key, NodeInfo)
             if got is None:
                 continue
             info = got[0]
-            last = self._saw(info.node_id, info.incarnation, info.seq)
-            seen[info.node_id] = Node(node_id=info.node_id, gpus=info.gpus,
-                                      cpu_slots=info.cpu_slots, last_heartbeat=last,
-                                      up=info.state == "up", stopped=info.state == "stopped")
+            self._saw(info.node_id, info.incarnation, info.seq)
+            before = self.nodes.get(info.node_id)
+            if before is not None and before.incarnation == info.incarnation and \
+                    before.seq > info.seq:  # a heartbeat already brought newer readings
+                info = msgspec.structs.replace(info, samples=before.samples, seq=before.seq)
+            seen[info.node_id] = info
         self.nodes = seen
+        held: dict[str, Maintenance] = {}
+        for key in await self.bus.kv_keys(subjects.MAINTENANCE_BUCKET):
+            mark = await self.bus.kv_get(subjects.MAINTENANCE_BUCKET, key, Maintenance)
+            if mark is not None:
+                held[mark[0].node_id] = mark[0]
+        self.maintenance = held
         self.wake.set()
 
     # ------------------------------------------------------------ inputs
@@ -93,6 +115,9 @@ class Scheduler:
             self.seen[node_id] = (incarnation, seq, now)
         return self.seen[node_id][2]
 
+    def _last_heartbeat(self, node_id: str) -> float:
+        return self.seen.get(node_id, ("", 0, 0.0))[2]
+
     async def on_heartbeat(self, msg: Msg) -> None:
         try:
             beat = events.decode_event(msg.data)
@@ -104,9 +129,11 @@ class Scheduler:
         if node is None:
             await self.refresh_nodes()
             return
-        last = self._saw(beat.node_id, beat.incarnation, beat.seq)
+        self._saw(beat.node_id, beat.incarnation, beat.seq)
         # (whether it takes work, `up`, comes from its record: a stopping node still beats)
-        self.nodes[beat.node_id] = msgspec.structs.replace(node, last_heartbeat=last)
+        if beat.incarnation == node.incarnation and beat.seq >= node.seq:
+            self.nodes[beat.node_id] = msgspec.structs.replace(node, samples=beat.gpus,
+                                                               seq=beat.seq)
         if beat.node_id in self.lost:
             self.wake.set()
 
@@ -130,11 +157,12 @@ class Scheduler:
         current = self.entries.get(task.task_id)
         if current is not None and current.task.attempt >= task.attempt:
             return  # a redelivery
-        entry = TaskEntry(task=task, queued_at=time.time())
-        await self.bus.kv_put(subjects.TASKS_BUCKET, subjects.task_key(task.task_id), entry)
-        self.entries[task.task_id] = entry
+        # A preempted task comes back with its first queue time and the GPU time it held.
+        queued_at = task.queued_at if task.queued_at > 0 else time.time()
+        entry = TaskEntry(task=task, queued_at=queued_at, attained_gpu_s=task.attained_gpu_s)
+        await self.table.store(entry)
         log.info("task.queued", attempt=task.attempt, gpus=task.resources.gpus,
-                 urgency=task.urgency)
+                 urgency=task.urgency, requeued=task.queued_at > 0)
         self.wake.set()
 
     async def _cancel(self, command: events.CancelTask) -> None:
@@ -142,102 +170,99 @@ class Scheduler:
         if entry is None or entry.task.attempt != command.attempt:
             return
         if entry.placement is None:
-            await self._forget(command.task_id)
+            await self.table.forget(command.task_id)
             log.info("task.dequeued", reason=command.reason)
             return
+        node_id = entry.placement.node_id
+        if entry.paused:  # a stopped process cannot act on SIGTERM: continue it first
+            await self.bus.publish(subjects.node_commands(node_id), events.ResumeTask(
+                at=time.time(), task_id=command.task_id, attempt=command.attempt,
+                reason="cancelled"), msg_id=f"{command.task_id}:{command.attempt}:cancel-resume")
         stop = events.StopTask(at=time.time(), task_id=command.task_id,
                                attempt=command.attempt, grace_s=STOP_GRACE_S,
                                reason=command.reason)
-        await self.bus.publish(subjects.node_commands(entry.placement.node_id), stop,
+        await self.bus.publish(subjects.node_commands(node_id), stop,
                                msg_id=f"{command.task_id}:{command.attempt}:stop")
-        log.info("task.stop_sent", node_id=entry.placement.node_id)
+        log.info("task.stop_sent", node_id=node_id)
 
     async def on_task_event(self, msg: Msg) -> None:
         event = bus_module.decode_or_poison(msg.data, events.decode_event)
-        if not isinstance(event, events.TaskStarted | events.TaskExited):
+        if not isinstance(event, events.TaskStarted | events.TaskExited | events.TaskIdle
+                          | events.TaskBusy):
             return
         async with self.lock:
             await self._handle_task_event(event)
 
-    async def _handle_task_event(self, event: events.TaskStarted | events.TaskExited) -> None:
-        entry = self.entries.get(event.task_id)
-        if entry is None or entry.task.attempt != event.attempt:
+    async def _handle_task_event(self, event: events.TaskStarted | events.TaskExited
+                                 | events.TaskIdle | events.TaskBusy) -> None:
+        entry = self.table.current(event.task_id, event.attempt)
+        if entry is None:
             return
-        if isinstance(event, events.TaskExited):
-            await self._forget(event.task_id)
-            self.wake.set()
-        elif not entry.started:
-            await self._store(msgspec.structs.replace(entry, started=True))
+        match event:
+            case events.TaskExited():
+                await self.table.forget(event.task_id)
+                log.info("task.freed", task_id=event.task_id, cause=event.cause,
+                         gpu_s=round(attempt_gpu_s(entry, event.at), 1))
+                self.wake.set()
+            case events.TaskStarted():
+                if not entry.started:
+                    await self.table.store(msgspec.structs.replace(
+                        entry, started=True, started_at=event.at))
+            case events.TaskIdle() | events.TaskBusy():
+                idle = isinstance(event, events.TaskIdle)
+                if entry.idle != idle:
+                    await self.table.store(msgspec.structs.replace(entry, idle=idle))
+                    log.info("task.idle" if idle else "task.busy", task_id=event.task_id,
+                             utilization_pct=event.utilization_pct)
+                    self.wake.set()
 
     # ------------------------------------------------------------ decisions
 
+    def _views(self) -> list[NodeView]:
+        clock = time.monotonic()
+        return [NodeView(info=info, alive=info.state == "up" and clock - self._last_heartbeat(
+                    info.node_id) <= self.node_timeout)
+                for info in self.nodes.values()]
+
+    def snapshot(self, now: float) -> tuple[ClusterState, list[Queued]]:
+        """What the policy sees now."""
+        return (cluster_state(self._views(), self.maintenance, self.entries.values()),
+                queue_of(self.entries.values(), now))
+
     async def run_once(self, now: float) -> None:
         await self._declare_lost_nodes(now)
-        clock = time.monotonic()
-        live = [msgspec.structs.replace(n, up=policy.is_alive(n, clock, self.node_timeout))
-                for n in self.nodes.values()]
-        held = [e.placement for e in self.entries.values() if e.placement is not None]
-        queue = [QueuedTask(task=e.task, queued_at=e.queued_at)
-                 for e in self.entries.values()
-                 if e.placement is None and e.task.not_before <= now]
-        for decision in policy.schedule(live, held, queue):
-            if isinstance(decision, Place):
-                await self._start(decision, now)
-            else:
-                await self._note_wait(decision)
+        state, queue = self.snapshot(now)
+        for decision in policy.decide(state, queue, now, self.settings):
+            await self.effects.apply(decision, self.nodes, now)
 
-    async def _start(self, decision: Place, now: float) -> None:
-        placement = decision.placement
-        entry = self.entries[placement.task_id]
-        task = entry.task
-        if not await self._fence(task, placement.node_id, now):
-            log.warning("task.stale_enqueue", task_id=task.task_id, attempt=task.attempt)
-            await self._forget(task.task_id)
-            return
-        await self._store(msgspec.structs.replace(entry, placement=placement, wait_reason=""))
-        node = self.nodes[placement.node_id]
-        share = placement.gpu_tenths / TENTHS_PER_GPU if placement.gpu_ids else 0.0
-        simulated = any(g.simulated for g in node.gpus if g.index in placement.gpu_ids)
-        start = events.StartTask(
-            at=now, task_id=task.task_id, run_id=task.run_id, step=task.step,
-            attempt=task.attempt, step_type=task.step_type, command=task.command,
-            workdir=task.workdir, env=task.env, gpu_ids=placement.gpu_ids, gpu_share=share,
-            gpu_memory_mb=task.resources.gpu_memory_mb,
-            checkpoint_interval_s=task.checkpoint_interval_s, timeout_s=task.timeout_s,
-            outputs=task.outputs, checkpoint_signal=task.checkpoint_signal,
-            cpus=task.resources.cpus, memory_mb=task.resources.memory_mb)
-        key = f"{task.task_id}:{task.attempt}"
-        await self.bus.publish(subjects.node_commands(placement.node_id), start,
-                               msg_id=f"{key}:start")
-        await self.bus.publish(subjects.task_events(task.run_id, task.step), events.TaskPlaced(
-            at=now, task_id=task.task_id, run_id=task.run_id, step=task.step,
-            attempt=task.attempt, node_id=placement.node_id, gpu_ids=placement.gpu_ids,
-            gpu_share=share * len(placement.gpu_ids), gpu_simulated=simulated,
-            reason=decision.reason), msg_id=f"{key}:placed")
-        log.info("task.placed", task_id=task.task_id, node_id=placement.node_id,
-                 gpu_ids=list(placement.gpu_ids), reason=decision.reason)
+    # ------------------------------------------------------------ maintenance
 
-    async def _fence(self, task: events.EnqueueTask, node_id: str, now: float) -> bool:
-        """Record the assignment as the task's fencing token (compare-and-set, attempts only
-        grow). False when a newer attempt already holds it: this one must not run."""
-        def assign(current: Fence | None) -> Fence | None:
-            if current is not None and current.attempt > task.attempt:
+    async def set_maintenance(self, node_id: str, state: MaintenanceState | None,
+                              reason: str) -> Maintenance | None:
+        """Cordon (no new work), drain (no new work; checkpointing tasks are moved off),
+        or uncordon (`state` None). Stored before it is answered, so it survives restarts.
+        """
+        async with self.lock:
+            if node_id not in self.nodes and node_id not in self.maintenance:
+                raise UnknownNode(node_id)
+            if state is None:
+                await self.bus.kv_delete(subjects.MAINTENANCE_BUCKET, node_id)
+                self.maintenance.pop(node_id, None)
+                log.info("node.uncordoned", node_id=node_id, reason=reason)
+                self.wake.set()
                 return None
-            if current is not None and (current.attempt, current.node_id) == (task.attempt,
-                                                                              node_id):
-                return None
-            return Fence(task_id=task.task_id, attempt=task.attempt, node_id=node_id, at=now)
+            mark = Maintenance(node_id=node_id, state=state, reason=reason, at=time.time())
+            await self.bus.kv_put(subjects.MAINTENANCE_BUCKET, node_id, mark)
+            self.maintenance[node_id] = mark
+            log.info(f"node.{state}", node_id=node_id, reason=reason)
+            self.wake.set()
+            return mark
 
-        stored = await self.bus.kv_update(subjects.FENCES_BUCKET,
-                                          subjects.task_key(task.task_id), Fence, assign)
-        return stored is not None and (stored.attempt, stored.node_id) == (task.attempt,
-                                                                            node_id)
+    def tasks_on(self, node_id: str) -> int:
+        return sum(1 for e in self.entries.values()
+                   if e.placement is not None and e.placement.node_id == node_id)
 
-    async def _note_wait(self, decision: policy.Wait) -> None:
-        entry = self.entries[decision.task_id]
-        if entry.wait_reason != decision.reason:
-            log.info("task.waiting", task_id=decision.task_id, reason=decision.reason)
-            await self._store(msgspec.structs.replace(entry, wait_reason=decision.reason))
+    # ------------------------------------------------------------ lost and stopped nodes
 
     async def _declare_lost_nodes(self, now: float) -> None:
         """A node silent for longer than node_timeout is lost: its tasks are reported lost
@@ -246,16 +271,16 @@ class Scheduler:
         """
         clock = time.monotonic()
         for node in list(self.nodes.values()):
-            if node.stopped:
-                await self._release_unstarted(node, now)
+            if node.state == "stopped":
+                await self._release_unstarted(node.node_id, now)
                 continue
-            if clock - node.last_heartbeat <= self.node_timeout:
+            silent = clock - self._last_heartbeat(node.node_id)
+            if silent <= self.node_timeout:
                 self.lost.discard(node.node_id)
                 continue
             if node.node_id in self.lost:
                 continue
             self.lost.add(node.node_id)
-            silent = clock - node.last_heartbeat
             log.warning("node.lost", node_id=node.node_id, silent_s=round(silent, 1))
             await self.bus.publish(subjects.node_events(node.node_id), events.NodeLost(
                 at=now, node_id=node.node_id, last_heartbeat=now - silent))
@@ -263,23 +288,22 @@ class Scheduler:
                           if e.placement and e.placement.node_id == node.node_id]:
                 await self._report_lost(entry, node.node_id, silent, now)
 
-    async def _release_unstarted(self, node: policy.Node, now: float) -> None:
+    async def _release_unstarted(self, node_id: str, now: float) -> None:
         """Tasks placed on a node that has stopped and never started them (placed while it
         was shutting down): their StartTask will not be read; they go back to be retried."""
         for entry in [e for e in self.entries.values()
-                      if e.placement and e.placement.node_id == node.node_id
-                      and not e.started]:
+                      if e.placement and e.placement.node_id == node_id and not e.started]:
             task = entry.task
             await self.bus.publish(subjects.task_events(task.run_id, task.step),
                                    events.TaskExited(
                 at=now, task_id=task.task_id, run_id=task.run_id, step=task.step,
-                attempt=task.attempt, node_id=node.node_id, exit_code=None, started=False,
-                cause="node_stopped", reason=f"node {node.node_id} stopped before it "
+                attempt=task.attempt, node_id=node_id, exit_code=None, started=False,
+                cause="node_stopped", reason=f"node {node_id} stopped before it "
                                              "started the task"),
                 msg_id=f"{task.task_id}:{task.attempt}:unstarted")
-            log.warning("task.released", task_id=task.task_id, node_id=node.node_id,
+            log.warning("task.released", task_id=task.task_id, node_id=node_id,
                         reason="the node stopped before starting it")
-            await self._forget(task.task_id)
+            await self.table.forget(task.task_id)
 
     async def _report_lost(self, entry: TaskEntry, node_id: str, silent: float,
                            now: float) -> None:
@@ -289,18 +313,7 @@ class Scheduler:
             attempt=task.attempt, node_id=node_id, exit_code=None, started=entry.started,
             cause="lost", reason=f"node {node_id} lost: no heartbeat for {silent:.0f}s"),
             msg_id=f"{task.task_id}:{task.attempt}:lost")
-        await self._forget(task.task_id)
-
-    # ------------------------------------------------------------ storage
-
-    async def _store(self, entry: TaskEntry) -> None:
-        await self.bus.kv_put(subjects.TASKS_BUCKET, subjects.task_key(entry.task.task_id),
-                              entry)
-        self.entries[entry.task.task_id] = entry
-
-    async def _forget(self, task_id: str) -> None:
-        await self.bus.kv_delete(subjects.TASKS_BUCKET, subjects.task_key(task_id))
-        self.entries.pop(task_id, None)
+        await self.table.forget(task.task_id)
 
     async def loop(self, stop: asyncio.Event) -> None:
         """Decide whenever something changed, and at least every tick."""
@@ -319,8 +332,11 @@ class Scheduler:
 
 async def serve(rt: ServiceRuntime) -> None:
     bus = await rt.connect()
-    scheduler = Scheduler(bus, rt.config.scheduler.node_timeout, rt.config.scheduler.tick)
-    await rt.serve_grpc()
+    settings = policy_settings(rt.config)
+    scheduler = Scheduler(bus, rt.config.scheduler.node_timeout, rt.config.scheduler.tick,
+                          settings)
+    await rt.serve_grpc([_api.SchedulerServicer(scheduler).register],
+                        _api.SERVICE_NAMES)
     # Listen before loading: a node that registers in between is then seen by one or the
     # other, never by neither (which would leave it unused until the next refresh).
     heartbeats = await bus.nc.subscribe(subjects.HEARTBEAT_ALL, cb=scheduler.on_heartbeat)

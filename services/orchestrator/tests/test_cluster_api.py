@@ -40,8 +40,7 @@ from m27.orchestrator.cluster_api import (
     share_of_each,
 )
 from m27.orchestrator.runs import StoredRun
-from m27.scheduler.policy import Placement
-from m27.scheduler.service import TaskEntry
+from m27.scheduler._state import Placement, TaskEntry
 from m27.v1 import cluster_pb2 as pb
 from m27.v1 import cluster_pb2_grpc as pb_grpc
 
@@ -116,7 +115,7 @@ def test_cpu_bookings_are_read_from_the_schedulers_own_entries() -> None:
                        urgency="normal", user="ada", command="true")
     def on(node_id: str, cpus: int) -> TaskEntry:
         return TaskEntry(task=task, queued_at=0.0, placement=Placement(
-            task_id=task.task_id, attempt=1, node_id=node_id, gpu_ids=(0,), gpu_tenths=5,
+            task_id=task.task_id, attempt=1, node_id=node_id, gpu_ids=(0,), gpu_milli=500,
             cpus=cpus), started=True)
 
     placed, other = on("node-1", 3), on("node-2", 1)

@@ -1,0 +1,164 @@
+"""`m27 queue [--explain]` and `m27 node cordon|drain|uncordon NODE`: the scheduler's view.
+
+These talk to the scheduler's own API (`m27.v1.SchedulerService`): `--scheduler HOST:PORT`,
+`$M27_SCHEDULER`, else the scheduler of the embedded system `m27 up` started. Rendering is
+pure (lines from `QueueItem` / `NodeMaintenance` values).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Final, TypeVar
+
+from m27.cli._common import Subparsers, add, print_json
+from m27.client.scheduler import Action, NodeMaintenance, QueueItem, SchedulerClient
+from m27.common.errors import M27Error
+from m27.common.paths import m27_home
+from m27.common.units import format_duration
+from m27.embedded import system
+from m27.embedded.nats_server import pid_alive
+
+T = TypeVar("T")
+SCHEDULER_ENV: Final = "M27_SCHEDULER"
+PROCESS_NAME: Final = "scheduler"
+SCORE_TERMS: Final = (("urgency", "+"), ("level", "+"), ("aging", "+"), ("held", "−"))
+
+
+def add_commands(sub: Subparsers) -> None:
+    queue = add(sub, "queue", "the scheduler's tasks: waiting ones in the order the policy "
+                "takes them (with why each waits), then running, paused and stopping ones",
+                cmd_queue)
+    queue.add_argument("--explain", action="store_true",
+                       help="each waiting task's score broken down, and why it waits")
+    queue.add_argument("--json", action="store_true", help="machine-readable output")
+    _scheduler_option(queue)
+    node = add(sub, "node", "node maintenance: cordon (no new work), drain (no new work; "
+               "checkpointing tasks are checkpointed and moved), uncordon", cmd_node)
+    node.add_argument("action", choices=("cordon", "drain", "uncordon"))
+    node.add_argument("node_id", metavar="NODE")
+    node.add_argument("--reason", default="", help="shown in `m27 nodes` and the logs")
+    node.add_argument("--json", action="store_true", help="machine-readable output")
+    _scheduler_option(node)
+
+
+def _scheduler_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--scheduler", metavar="HOST:PORT",
+                        help=f"scheduler address (default: ${SCHEDULER_ENV}, or the "
+                        "embedded system's)")
+
+
+def scheduler_address(explicit: str | None, environ: Mapping[str, str], home: Path) -> str:
+    """--scheduler, $M27_SCHEDULER, else the embedded system's scheduler process."""
+    if explicit or environ.get(SCHEDULER_ENV):
+        return str(explicit or environ[SCHEDULER_ENV])
+    state = system.read_state(home)
+    if state is None:
+        raise M27Error(f"nothing is running under {home}: start the system with `m27 up`, "
+                       f"or pass --scheduler HOST:PORT / set ${SCHEDULER_ENV}")
+    proc = next((p for p in state.processes if p.name == PROCESS_NAME), None)
+    if proc is None or not proc.grpc_address or not pid_alive(proc.pid):
+        raise M27Error("the embedded scheduler is not running: run `m27 up` to restart it")
+    return proc.grpc_address
+
+
+def with_scheduler(args: argparse.Namespace,
+                   work: Callable[[SchedulerClient], Awaitable[T]]) -> T:
+    address = scheduler_address(getattr(args, "scheduler", None), os.environ, m27_home())
+
+    async def run() -> T:
+        async with SchedulerClient(address) as client:
+            return await work(client)
+
+    return asyncio.run(run())
+
+
+# ---------------------------------------------------------------- rendering (pure)
+
+
+def score_line(explanation: Mapping[str, Any]) -> str | None:
+    """`score 323.4 = urgency 300 + level 0 + aging 23.4 − held 0`, from the policy's
+    explanation (None when it carries no score terms)."""
+    score = explanation.get("score")
+    if not isinstance(score, Mapping) or "total" not in score:
+        return None
+    terms = [f"{sign} {name} {float(score[name]):g}" for name, sign in SCORE_TERMS
+             if name in score]
+    text = f"score {float(score['total']):.1f} = " + " ".join(terms).lstrip("+ ")
+    level = score.get("user_level")
+    return f"{text} (user level {level})" if level else text
+
+
+def _other_lines(explanation: Mapping[str, Any]) -> list[str]:
+    skip = {"score", "task_id", "reason"}
+    notes = {"staged_on": " (ready pool: recorded only, no data staging yet)"}
+    return [f"{key}: {value}{notes.get(key, '')}" for key, value in explanation.items()
+            if key not in skip and value not in (None, "", [], {})]
+
+
+def render_queue(items: Sequence[QueueItem], now: float, explain: bool) -> list[str]:
+    if not items:
+        return ["the queue is empty: nothing waits or runs"]
+    width = max(4, *(len(i.task_id) for i in items))
+    lines = [f"{'#':>3}  {'TASK':<{width}}  {'STATE':<8}  {'URGENCY':<7}  {'GPU':>4}  "
+             f"{'WAITED':>8}  {'SCORE':>7}  WHERE / WHY"]
+    for n, item in enumerate(items, 1):
+        where = item.reason if item.state == "waiting" else item.node_id + (
+            f" (backfill into {item.lender})" if item.lender else "")
+        if item.state == "waiting" and item.staged_on:
+            where += f" [ready pool: {item.staged_on}, no data staging yet]"
+        score = f"{item.score:.1f}" if item.explanation is not None else "—"
+        waited = format_duration(max(0.0, now - item.queued_at))
+        lines.append(f"{n:>3}  {item.task_id:<{width}}  {item.state:<8}  {item.urgency:<7}  "
+                     f"{item.gpus:>4g}  {waited:>8}  {score:>7}  {where}".rstrip())
+        if explain and item.explanation is not None and item.state == "waiting":
+            line = score_line(item.explanation)
+            lines.extend(f"       {text}" for text in
+                         ([line] if line else []) + _other_lines(item.explanation))
+    return lines
+
+
+def render_maintenance(mark: NodeMaintenance) -> str:
+    if not mark.state:
+        return f"{mark.node_id}: in service (takes new work)"
+    why = f" ({mark.reason})" if mark.reason else ""
+    left = ("empty: a maintenance command can run now" if mark.tasks == 0
+            else f"{mark.tasks} task(s) still placed there")
+    return f"{mark.node_id}: {mark.state}{why}; {left}"
+
+
+# ---------------------------------------------------------------- commands
+
+
+def cmd_queue(args: argparse.Namespace) -> int:
+    items = with_scheduler(args, lambda c: c.queue(explain=args.explain or args.json))
+    if args.json:
+        print_json(items)
+    else:
+        print("\n".join(render_queue(items, time.time(), args.explain)))
+    return 0
+
+
+def cmd_node(args: argparse.Namespace) -> int:
+    action: Action = args.action
+    mark = with_scheduler(args, lambda c: c.set_maintenance(args.node_id, action,
+                                                            args.reason))
+    if args.json:
+        print_json(mark)
+    else:
+        print(render_maintenance(mark))
+    return 0
+
+
+def maintenance_states(args: argparse.Namespace) -> dict[str, str]:
+    """node → cordoned / draining, for `m27 nodes`; empty when the scheduler cannot be
+    reached (the nodes view does not depend on it)."""
+    try:
+        marks = with_scheduler(args, lambda c: c.maintenance())
+    except M27Error:
+        return {}
+    return {m.node_id: m.state for m in marks if m.state}

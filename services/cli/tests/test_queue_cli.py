@@ -1,0 +1,56 @@
+"""`m27 queue --explain` and `m27 node …` rendering (pure)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from m27.cli._queue import render_maintenance, render_queue, scheduler_address, score_line
+from m27.client.scheduler import NodeMaintenance, QueueItem
+from m27.common.errors import M27Error
+
+
+def item(**fields: object) -> QueueItem:
+    base: dict[str, object] = {
+        "task_id": "r/b", "run_id": "r", "step": "b", "attempt": 1, "urgency": "normal",
+        "user": "ada", "gpus": 0.5, "cpus": 1, "state": "waiting", "node_id": "",
+        "queued_at": 100.0, "reason": "needs 0.50 GPU with 12 GiB; largest free slice is 0.30",
+        "score": 165.0, "tier": "immediate"}
+    return QueueItem(**{**base, **fields})  # type: ignore[arg-type]
+
+
+def test_explain_breaks_the_score_down_and_says_why_it_waits() -> None:
+    explanation = {"task_id": "r/b", "score": {"total": 165.0, "urgency": 100.0, "level": 40.0,
+                                               "aging": 25.0, "held": 0.0,
+                                               "user_level": "pi"},
+                   "action": "wait", "staged_on": "n1", "reason": "x"}
+    lines = render_queue([item(explanation=explanation),
+                          item(task_id="r/a", state="running", node_id="n2", lender="r/m")],
+                         now=3700.0, explain=True)
+    assert "needs 0.50 GPU with 12 GiB; largest free slice is 0.30" in lines[1]
+    assert "1h00m" in lines[1]
+    assert lines[2].strip() == ("score 165.0 = urgency 100 + level 40 + aging 25 − held 0 "
+                                "(user level pi)")
+    assert "staged_on: n1 (ready pool: recorded only, no data staging yet)" in lines[4]
+    assert lines[-1].split()[1:3] == ["r/a", "running"]
+    assert lines[-1].endswith("n2 (backfill into r/m)")
+    assert score_line({"action": "wait"}) is None
+    assert render_queue([], 0.0, False) == ["the queue is empty: nothing waits or runs"]
+
+
+def test_maintenance_says_whether_the_node_is_empty() -> None:
+    assert render_maintenance(NodeMaintenance(node_id="n1", state="draining",
+                                              reason="GPU reset", tasks=0)) == (
+        "n1: draining (GPU reset); empty: a maintenance command can run now")
+    assert render_maintenance(NodeMaintenance(node_id="n1", state="cordoned", tasks=2)) == (
+        "n1: cordoned; 2 task(s) still placed there")
+    assert render_maintenance(NodeMaintenance(node_id="n1", state="")) == (
+        "n1: in service (takes new work)")
+
+
+def test_the_scheduler_is_found_by_flag_environment_or_embedded_system(tmp_path: Path) -> None:
+    assert scheduler_address("h:1", {"M27_SCHEDULER": "h:2"}, tmp_path) == "h:1"
+    assert scheduler_address(None, {"M27_SCHEDULER": "h:2"}, tmp_path) == "h:2"
+    with pytest.raises(M27Error, match="nothing is running"):
+        scheduler_address(None, {}, tmp_path)

@@ -1,0 +1,117 @@
+"""The client of the scheduler's API (`m27.v1.SchedulerService`): node maintenance and the
+queue, returned as plain structs.
+
+    async with SchedulerClient("127.0.0.1:50052") as scheduler:
+        await scheduler.set_maintenance("node-1", "drain", reason="nightly GPU reset")
+        for task in await scheduler.queue(explain=True):
+            ...
+"""
+
+from __future__ import annotations
+
+import json
+from types import TracebackType
+from typing import Any, Literal
+
+import grpc
+import msgspec
+
+from m27.common.errors import M27Error
+from m27.common.grpc_server import CLIENT_OPTIONS
+from m27.v1 import scheduler_pb2 as pb
+from m27.v1 import scheduler_pb2_grpc as pb_grpc
+
+Action = Literal["cordon", "drain", "uncordon"]
+
+
+class SchedulerError(M27Error):
+    """The scheduler could not be reached or refused the call."""
+
+
+class NodeMaintenance(msgspec.Struct, frozen=True, kw_only=True):
+    node_id: str
+    state: str  # "" (in service), cordoned, draining
+    reason: str = ""
+    since: float = 0.0
+    tasks: int = 0  # still placed there: 0 means it is empty
+
+
+class QueueItem(msgspec.Struct, frozen=True, kw_only=True):
+    task_id: str
+    run_id: str
+    step: str
+    attempt: int
+    urgency: str
+    user: str
+    gpus: float
+    cpus: int
+    state: str  # waiting, running, paused, stopping
+    node_id: str
+    queued_at: float
+    reason: str
+    score: float
+    tier: str
+    lender: str = ""
+    staged_on: str = ""
+    explanation: dict[str, Any] | None = None
+
+
+def _maintenance(message: pb.NodeMaintenance) -> NodeMaintenance:
+    return NodeMaintenance(node_id=message.node_id, state=message.state,
+                           reason=message.reason, since=message.since, tasks=message.tasks)
+
+
+def _item(message: pb.QueueEntry) -> QueueItem:
+    explanation = json.loads(message.explanation_json) if message.explanation_json else None
+    return QueueItem(
+        task_id=message.task_id, run_id=message.run_id, step=message.step,
+        attempt=message.attempt, urgency=message.urgency, user=message.user,
+        gpus=message.gpus, cpus=message.cpus, state=message.state, node_id=message.node_id,
+        queued_at=message.queued_at, reason=message.reason, score=message.score,
+        tier=message.tier, lender=message.lender, staged_on=message.staged_on,
+        explanation=explanation)
+
+
+class SchedulerClient:
+    def __init__(self, address: str, *, timeout: float = 15.0) -> None:
+        self.address = address
+        self.timeout = timeout
+        self._channel = grpc.aio.insecure_channel(address, options=CLIENT_OPTIONS)
+        self._stub = pb_grpc.SchedulerServiceStub(self._channel)
+
+    async def __aenter__(self) -> SchedulerClient:
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None,
+                        exc: BaseException | None, tb: TracebackType | None) -> None:
+        await self._channel.close(None)
+
+    def _error(self, exc: grpc.aio.AioRpcError) -> SchedulerError:
+        if exc.code() == grpc.StatusCode.UNAVAILABLE:
+            return SchedulerError(f"cannot reach the scheduler at {self.address}: is it up?")
+        return SchedulerError(exc.details() or exc.code().name.lower())
+
+    async def set_maintenance(self, node_id: str, action: Action,
+                              reason: str = "") -> NodeMaintenance:
+        request = pb.SetNodeMaintenanceRequest(node_id=node_id, action=action, reason=reason)
+        try:
+            return _maintenance(await self._stub.SetNodeMaintenance(request,
+                                                                    timeout=self.timeout))
+        except grpc.aio.AioRpcError as exc:
+            raise self._error(exc) from None
+
+    async def maintenance(self) -> list[NodeMaintenance]:
+        try:
+            reply = await self._stub.ListNodeMaintenance(pb.ListNodeMaintenanceRequest(),
+                                                         timeout=self.timeout)
+        except grpc.aio.AioRpcError as exc:
+            raise self._error(exc) from None
+        return [_maintenance(m) for m in reply.nodes]
+
+    async def queue(self, *, explain: bool = False) -> list[QueueItem]:
+        try:
+            reply = await self._stub.ListQueue(pb.ListQueueRequest(explain=explain),
+                                               timeout=self.timeout)
+        except grpc.aio.AioRpcError as exc:
+            raise self._error(exc) from None
+        return [_item(t) for t in reply.tasks]

@@ -1,0 +1,85 @@
+"""Idle backfill (pure): lend the GPU share of a task that waits on I/O, and take it back.
+
+When the node-agent reports a running task's GPU idle (`Running.idle`), a ready-pool or
+background task that fits inside that share (milli and GPU memory, plus the node's CPU and
+host memory) starts in it: `Place(lender=...)`. The backfill holds no GPU capacity of its
+own while its lender runs. When the lender is busy again the backfill is paused
+(SIGSTOP: it keeps its progress and memory, gives back compute) and resumed when the lender
+goes idle again. A preemptible backfill paused longer than `max_pause_s` is preempted
+(checkpoint-then-stop, requeued) so it stops holding GPU memory. If the lender finished, a
+paused backfill resumes and from then on holds its own share.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from m27.scheduler._packing import Packer, Request
+from m27.scheduler.model import (
+    Decision,
+    Pause,
+    PolicySettings,
+    Preempt,
+    Resume,
+    Running,
+)
+
+
+def lenders(running: Sequence[Running]) -> dict[str, Running]:
+    """Running tasks whose share is idle and not lent yet, by task id."""
+    lent = {r.lender for r in running if r.lender}
+    return {r.job.task_id: r for r in running
+            if r.idle and not r.lender and not r.stopping and not r.paused
+            and r.job.task_id not in lent and r.gpu_ids and r.gpu_milli > 0}
+
+
+def manage(running: Sequence[Running], now: float,
+           settings: PolicySettings) -> list[Decision]:
+    """Pause, resume or preempt existing backfills as their lenders change state."""
+    by_id = {r.job.task_id: r for r in running}
+    decisions: list[Decision] = []
+    for r in sorted((r for r in running if r.lender and not r.stopping),
+                    key=lambda r: r.job.task_id):
+        lender = by_id.get(r.lender)
+        job = r.job
+        if lender is None or lender.stopping:
+            if r.paused:
+                decisions.append(Resume(task_id=job.task_id, attempt=job.attempt,
+                                        reason=f"lender {r.lender} ended: the share is "
+                                        "free, resume"))
+        elif lender.idle and r.paused:
+            decisions.append(Resume(task_id=job.task_id, attempt=job.attempt,
+                                    reason=f"lender {r.lender} is idle again (I/O wait)"))
+        elif not lender.idle and not r.paused:
+            decisions.append(Pause(task_id=job.task_id, attempt=job.attempt,
+                                   reason=f"lender {r.lender} is busy again: give its "
+                                   "GPU share back"))
+        elif (not lender.idle and r.paused and job.preemptible and r.paused_at is not None
+              and now - r.paused_at > settings.max_pause_s):
+            decisions.append(Preempt(
+                task_id=job.task_id, attempt=job.attempt, grace_s=settings.preempt_grace_s,
+                reason=f"paused {now - r.paused_at:.0f} s > {settings.max_pause_s:.0f} s "
+                f"while lender {r.lender} is busy: checkpoint and requeue"))
+    return decisions
+
+
+def find_lender(packer: Packer, req: Request, idle: dict[str, Running]) -> Running | None:
+    """The idle share `req` fits in most tightly (then by task id), or None."""
+    if req.gpus != 1:
+        return None
+    options: list[tuple[int, str, Running]] = []
+    for task_id, lender in idle.items():
+        node = packer.index.get(lender.node_id, -1)
+        if node < 0 or not packer.node_ok[node] or lender.gpu_milli < req.milli:
+            continue
+        if packer.cpu[node] < req.cpu_milli or packer.mem[node] < req.memory_mb:
+            continue
+        col = packer.col_of(node, lender.gpu_ids[0])
+        if col < 0 or not packer.usable[node, col]:
+            continue
+        if req.models and packer.nodes[node].gpus[col].model not in req.models:
+            continue
+        if packer.gmem_free[node, col] + 1e-6 < packer.gpu_memory(req, node, col):
+            continue
+        options.append((lender.gpu_milli - req.milli, task_id, lender))
+    return min(options, key=lambda o: (o[0], o[1]))[2] if options else None

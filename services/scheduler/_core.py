@@ -1,0 +1,303 @@
+"""The scheduling policy core (pure, deterministic): `(state, queue, now, settings) ->
+decisions`, every decision with a reason a person can read. docs/scheduling.md describes
+the rules; the pieces live in `_priority`, `_packing`, `_preemption` and `_backfill`.
+
+One cycle:
+1. maintenance: checkpointing tasks on draining nodes are preempted ("drain …");
+2. backfills follow their lenders (pause / resume / preempt when paused long);
+3. queued tasks in score order (immediate tier first, background after): placed where
+   they fragment the cluster least; else an immediate task may preempt lower-score
+   victims; else a ready-pool or background task may start in an idle share; else it
+   waits, and the next `ready_pool` waiting tasks get their inputs staged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Literal
+
+import msgspec
+
+from m27.scheduler import _backfill, _preemption
+from m27.scheduler._packing import Choice, Packer, Request, request_of, typical_demand
+from m27.scheduler._priority import Score, order, running_score
+from m27.scheduler._reasons import stage_node, wait_reason
+from m27.scheduler.model import (
+    MILLI_PER_GPU,
+    ClusterState,
+    Decision,
+    Place,
+    PolicySettings,
+    Preempt,
+    Queued,
+    Running,
+    Stage,
+    Wait,
+)
+
+Action = Literal["place", "backfill", "preempt", "wait"]
+DEFAULT_SETTINGS = PolicySettings()
+
+
+class Explanation(msgspec.Struct, frozen=True, kw_only=True):
+    """One queued task as `m27 queue --explain` shows it."""
+
+    task_id: str
+    rank: int  # 1 = considered first
+    tier: str
+    score: Score
+    action: Action
+    reason: str
+    staged_on: str = ""  # a Stage decision this cycle, or the node already staged on
+
+
+class _Cycle:
+    """Mutable bookkeeping of one decide() call (never escapes it)."""
+
+    def __init__(self, state: ClusterState, queue: Sequence[Queued], now: float,
+                 settings: PolicySettings) -> None:
+        self.now, self.settings = now, settings
+        self.decisions: list[Decision] = []
+        self.explanations: list[Explanation] = []
+        self.packer = build_packer(state, queue, settings)
+        self.failed: set[Request] = set()
+        self.idle = _backfill.lenders(state.running) if settings.backfill else {}
+        self.stopping = [r for r in state.running if r.stopping]
+        self.victims: list[_preemption.Victim] = []
+        self.ready_left = settings.ready_pool
+
+    def emit(self, decision: Decision) -> None:
+        self.decisions.append(decision)
+
+
+def build_packer(state: ClusterState, queue: Sequence[Queued],
+                 settings: PolicySettings) -> Packer:
+    """Free capacity after everything running (stopping tasks still hold theirs)."""
+    nodes = state.nodes
+    rank = sorted(range(len(nodes)), key=lambda i: nodes[i].node_id)
+    tie = [0] * len(nodes)
+    for position, i in enumerate(rank):
+        tie[i] = position
+    demand = typical_demand([request_of(q.job) for q in queue]
+                            + [request_of(r.job) for r in state.running])
+    packer = Packer(nodes, demand, overprovision=settings.memory_overprovision,
+                    max_temperature_c=settings.max_temperature_c, tie_rank=tie)
+    alive = {r.job.task_id for r in state.running}
+    for r in state.running:
+        node = packer.index.get(r.node_id, -1)
+        if node < 0:
+            continue
+        lent = bool(r.lender) and r.lender in alive
+        own = Request(milli=r.gpu_milli, gpu_memory_mb=r.job.gpu_memory_mb)
+        gpus = {}
+        for gpu in r.gpu_ids:
+            col = packer.col_of(node, gpu)
+            if col >= 0:
+                gpus[col] = (0 if lent else r.gpu_milli, packer.gpu_memory(own, node, col))
+        packer.hold(node, gpus, r.job.cpu_milli, r.job.memory_mb)
+    return packer
+
+
+def _victims(state: ClusterState, now: float, settings: PolicySettings,
+             spoken_for: set[str]) -> list[_preemption.Victim]:
+    """Running tasks a higher task may preempt (scores as of now)."""
+    pool = []
+    for r in state.running:
+        background = r.job.tier == "background"
+        if r.stopping or r.lender or r.job.task_id in spoken_for:
+            continue
+        if not (r.job.preemptible or background):
+            continue
+        if not background and now - r.started_at < settings.min_runtime_s:
+            continue
+        score = running_score(r, now, settings)
+        pool.append(_preemption.Victim(
+            running=r, score=float("-inf") if background else score.total,
+            base=float("-inf") if background else score.urgency + score.level,
+            lost_gpu_s=_preemption.lost_work(r, now)))
+    return pool
+
+
+def _drain(state: ClusterState, settings: PolicySettings) -> list[Decision]:
+    """Checkpointing tasks on draining nodes move; the others are left to finish."""
+    draining = {n.node_id for n in state.nodes if n.draining}
+    return [Preempt(task_id=r.job.task_id, attempt=r.job.attempt,
+                    grace_s=settings.preempt_grace_s,
+                    reason=f"drain {r.node_id}: checkpoint and move to another node")
+            for r in sorted(state.running, key=lambda r: r.job.task_id)
+            if r.node_id in draining and r.job.checkpoints and not r.stopping]
+
+
+def run_cycle(state: ClusterState, queue: Sequence[Queued], now: float,
+              settings: PolicySettings) -> tuple[list[Decision], list[Explanation]]:
+    """The decisions of one cycle and, per queued task, its explanation."""
+    cycle = _Cycle(state, queue, now, settings)
+    for decision in _drain(state, settings) + _backfill.manage(state.running, now, settings):
+        cycle.emit(decision)
+    spoken_for = {d.task_id for d in cycle.decisions if isinstance(d, Preempt)}
+    cycle.victims = _victims(state, now, settings, spoken_for)
+    for rank, (queued, score) in enumerate(order(queue, now, settings), start=1):
+        _consider(cycle, queued, score, rank)
+    return cycle.decisions, cycle.explanations
+
+
+def _consider(cycle: _Cycle, queued: Queued, score: Score, rank: int) -> None:
+    job = queued.job
+    req = request_of(job)
+    choice = _choose(cycle.packer, req, queued.staged_on, cycle.failed)
+    action: Action
+    if choice is not None:
+        action, reason = "place", _place(cycle, queued, req, choice, score)
+    elif job.tier == "immediate" and cycle.settings.preemption and _preempt(
+            cycle, queued, req, score):
+        action, reason = "preempt", _last_wait_reason(cycle)
+    elif _backfill_into(cycle, queued, req):
+        action, reason = "backfill", _last_place_reason(cycle)
+    else:
+        action, reason = "wait", wait_reason(cycle.packer, req)
+        if job.tier == "background":
+            reason = f"background tier, leftovers only: {reason}"
+        cycle.emit(Wait(task_id=job.task_id, reason=reason))
+    staged = queued.staged_on
+    if action in ("wait", "preempt") and job.tier == "immediate" and cycle.ready_left > 0:
+        cycle.ready_left -= 1
+        if not staged:
+            node = stage_node(cycle.packer, req)
+            if node is not None:
+                staged = cycle.packer.nodes[node].node_id
+                cycle.emit(Stage(task_id=job.task_id, node_id=staged,
+                                 reason=f"ready pool: stage inputs on {staged}, where it "
+                                 "will most likely start"))
+    cycle.explanations.append(Explanation(task_id=job.task_id, rank=rank, tier=job.tier,
+                                          score=score, action=action, reason=reason,
+                                          staged_on=staged))
+
+
+def _choose(packer: Packer, req: Request, staged_on: str,
+            failed: set[Request]) -> Choice | None:
+    """Its staged node if it fits there (instant start), else the least fragmenting fit."""
+    if req in failed:
+        return None
+    staged = packer.index.get(staged_on, -1) if staged_on else -1
+    if staged >= 0:
+        choice = packer.choose(req, only=staged)
+        if choice is not None:
+            return choice
+    choice = packer.choose(req)
+    if choice is None:
+        failed.add(req)
+    return choice
+
+
+def _place(cycle: _Cycle, queued: Queued, req: Request, choice: Choice,
+           score: Score) -> str:
+    packer, job = cycle.packer, queued.job
+    node_id = packer.nodes[choice.node].node_id
+    packer.take(choice.node, [packer.col_of(choice.node, g) for g in choice.gpu_ids], req)
+    where = (f"GPU {','.join(map(str, choice.gpu_ids))} on {node_id}" if choice.gpu_ids
+             else node_id)
+    what = (f"{req.gpus} whole GPU(s)" if req.gpus > 1 or req.milli >= 1000
+            else f"{req.milli / 1000:.2f} GPU" if req.gpus else f"{req.cpu_milli} mCPU")
+    reason = (f"score {score.total:.0f}: {what} on {where}; expected fragmentation "
+              f"{choice.frag_delta:+.0f} milli, the least of any fit")
+    if queued.staged_on == node_id:
+        reason += " (inputs staged here)"
+    if job.tier == "background":
+        reason = f"background tier, leftover capacity: {reason}"
+    cycle.emit(Place(task_id=job.task_id, attempt=job.attempt, node_id=node_id,
+                     gpu_ids=choice.gpu_ids, gpu_milli=req.milli, reason=reason))
+    return reason
+
+
+def _preempt(cycle: _Cycle, queued: Queued, req: Request, score: Score) -> bool:
+    plan = _preemption.plan(cycle.packer, req, score.total, cycle.victims, cycle.stopping,
+                            task_base=score.urgency + score.level)
+    if plan is None:
+        return False
+    job = queued.job
+    node_id = cycle.packer.nodes[plan.node].node_id
+    for victim in plan.victims:
+        vjob = victim.running.job
+        cycle.emit(Preempt(
+            task_id=vjob.task_id, attempt=vjob.attempt, for_task=job.task_id,
+            grace_s=cycle.settings.preempt_grace_s,
+            reason=f"make room for {job.task_id} (score {score.total:.0f} > "
+            f"{victim.score:.0f}); loses {victim.lost_gpu_s:.0f} GPU-s since its last "
+            "checkpoint"))
+    _reserve(cycle.packer, plan, req)
+    taken = {v.running.job.task_id for v in plan.victims} | {
+        r.job.task_id for r in plan.stopping}
+    cycle.victims = [v for v in cycle.victims if v.running.job.task_id not in taken]
+    cycle.stopping = [r for r in cycle.stopping if r.job.task_id not in taken]
+    count = len(plan.victims) + len(plan.stopping)
+    cycle.emit(Wait(task_id=job.task_id,
+                    reason=f"waiting for {count} preempted task(s) to checkpoint on "
+                    f"{node_id}"))
+    return True
+
+
+def _reserve(packer: Packer, plan: _preemption.Plan, req: Request) -> None:
+    """Keep what the waiting task will need on the plan's node out of this cycle's later
+    placements: whatever is free on the GPUs its victims (or the stopping tasks it waits
+    for) hold, and enough fully free GPUs for the rest of a gang. Without this, a lower
+    task takes the free half of a GPU whose other half is being preempted for a whole-GPU
+    task, the GPU never becomes whole, and the preemption repeats every grace period."""
+    node = plan.node
+    freed = [*(v.running for v in plan.victims), *plan.stopping]
+    cols = sorted({packer.col_of(node, g) for r in freed for g in r.gpu_ids} - {-1})
+    if req.gpus > 1 or req.milli >= MILLI_PER_GPU:
+        spare = [c for c in range(packer.free.shape[1]) if c not in cols
+                 and packer.usable[node, c] and packer.free[node, c] >= MILLI_PER_GPU]
+        cols += spare[:max(0, max(req.gpus, 1) - len(cols))]
+    held = {c: (int(max(0, packer.free[node, c])), 0.0) for c in cols}
+    if any(milli for milli, _ in held.values()):
+        packer.hold(node, held, 0, 0)
+
+
+def _backfill_into(cycle: _Cycle, queued: Queued, req: Request) -> bool:
+    job = queued.job
+    if not cycle.idle or not (job.tier == "background" or cycle.ready_left > 0):
+        return False
+    lender = _backfill.find_lender(cycle.packer, req, cycle.idle)
+    if lender is None:
+        return False
+    del cycle.idle[lender.job.task_id]
+    packer = cycle.packer
+    node = packer.index[lender.node_id]
+    col = packer.col_of(node, lender.gpu_ids[0])
+    packer.hold(node, {col: (0, packer.gpu_memory(req, node, col))}, req.cpu_milli,
+                req.memory_mb)
+    if job.tier == "immediate":
+        cycle.ready_left -= 1
+    cycle.emit(Place(task_id=job.task_id, attempt=job.attempt, node_id=lender.node_id,
+                     gpu_ids=(lender.gpu_ids[0],), gpu_milli=req.milli,
+                     lender=lender.job.task_id,
+                     reason=f"backfill: {lender.job.task_id}'s {lender.gpu_milli / 1000:.2f}"
+                     f" GPU on GPU {lender.gpu_ids[0]} of {lender.node_id} is idle (I/O "
+                     "wait)"))
+    return True
+
+
+def _last_wait_reason(cycle: _Cycle) -> str:
+    last = cycle.decisions[-1]
+    return last.reason if isinstance(last, Wait) else ""
+
+
+def _last_place_reason(cycle: _Cycle) -> str:
+    last = cycle.decisions[-1]
+    return last.reason if isinstance(last, Place) else ""
+
+
+def decide(state: ClusterState, queue: Sequence[Queued], now: float,
+           settings: PolicySettings = DEFAULT_SETTINGS) -> list[Decision]:
+    """What to start, stop, pause, resume and stage now, each with its reason."""
+    return run_cycle(state, queue, now, settings)[0]
+
+
+def explain(state: ClusterState, queue: Sequence[Queued], now: float,
+            settings: PolicySettings = DEFAULT_SETTINGS) -> list[Explanation]:
+    """Per queued task, in the order considered: its score broken down and its fate."""
+    return run_cycle(state, queue, now, settings)[1]
+
+
+__all__ = ["Explanation", "Running", "decide", "explain", "run_cycle"]

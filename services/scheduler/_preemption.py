@@ -1,0 +1,119 @@
+"""Preemption (pure): which running tasks to checkpoint-and-stop so a higher task fits.
+
+A victim must be preemptible (or in the background tier), of a strictly lower class than the
+task it makes room for (urgency weight + user level weight: aging and the held term order
+the queue but give no right to stop a peer, or equal tasks would take turns preempting each
+other) and strictly lower in score (background victims are both: they only take leftovers), older
+than `min_runtime_s` (background is exempt: it must never delay immediate work), and not a
+backfill (that holds no capacity of its own). Tasks already `stopping` count as still
+holding their capacity, but as free victims: a task that fits once they are gone waits for
+them instead of preempting more.
+
+Among the nodes where the task would fit, the victim set loses the least work: GPU-seconds
+since the victim's last checkpoint (since its start if it never checkpointed, or if it does
+not checkpoint at all), then the lowest scores, then the fewest victims.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import msgspec
+import numpy as np
+
+from m27.scheduler._packing import Packer, Request
+from m27.scheduler.model import Running
+
+
+class Victim(msgspec.Struct, frozen=True, kw_only=True):
+    running: Running
+    score: float
+    lost_gpu_s: float  # work lost if stopped now
+    base: float = float("-inf")  # its class: urgency weight + user level weight
+
+
+class Plan(msgspec.Struct, frozen=True, kw_only=True):
+    node: int
+    victims: tuple[Victim, ...]  # new ones to preempt
+    stopping: tuple[Running, ...]  # already stopping, counted on
+
+
+def lost_work(running: Running, now: float) -> float:
+    """GPU-seconds a stop now throws away."""
+    since = running.started_at
+    if running.job.checkpoints and running.last_checkpoint_at is not None:
+        since = max(since, running.last_checkpoint_at)
+    share = running.gpu_milli * max(1, len(running.gpu_ids)) / 1000.0
+    return max(0.0, now - since) * max(share, 0.001)
+
+
+def _fits(packer: Packer, node: int, req: Request, freed: Sequence[Running]) -> bool:
+    """Would `req` fit on `node` once `freed` have released their capacity?"""
+    if not packer.node_ok[node]:
+        return False
+    cpu = packer.cpu[node] + sum(r.job.cpu_milli for r in freed)
+    mem = packer.mem[node] + sum(r.job.memory_mb for r in freed)
+    if cpu < req.cpu_milli or mem < req.memory_mb:
+        return False
+    if req.gpus == 0:
+        return True
+    free = packer.free[node].astype(np.float64)
+    gmem = packer.gmem_free[node].copy()
+    for r in freed:
+        for gpu in r.gpu_ids:
+            col = packer.col_of(node, gpu)
+            if col >= 0:
+                free[col] += r.gpu_milli
+                gmem[col] += packer.gpu_memory(
+                    Request(milli=r.gpu_milli, gpu_memory_mb=r.job.gpu_memory_mb), node, col)
+    mask = packer.usable[node] & (free >= req.milli)
+    if req.models:
+        codes = [packer.models[m] for m in req.models if m in packer.models]
+        mask &= np.isin(packer.model[node], codes)
+    need = np.array([packer.gpu_memory(req, node, c) for c in range(free.size)])
+    mask &= gmem >= need - 1e-6
+    return int(mask.sum()) >= req.gpus
+
+
+def plan(packer: Packer, req: Request, task_score: float, victims: Sequence[Victim],
+         stopping: Sequence[Running], task_base: float = float("inf")) -> Plan | None:
+    """The cheapest way to make room for `req`, or None when no victim set is enough."""
+    best: tuple[tuple[float, float, int, int], Plan] | None = None
+    touched = {v.running.node_id for v in victims} | {s.node_id for s in stopping}
+    for node_id in sorted(touched):
+        node = packer.index.get(node_id, -1)
+        if node < 0:
+            continue
+        held = [s for s in stopping if s.node_id == node_id]
+        mine = sorted((v for v in victims if v.running.node_id == node_id
+                       and v.score < task_score and v.base < task_base),
+                      key=lambda v: (v.lost_gpu_s, v.score, v.running.job.task_id))
+        chosen = _greedy(packer, node, req, mine, held)
+        if chosen is None:
+            continue
+        key = (sum(v.lost_gpu_s for v in chosen), sum(v.score for v in chosen),
+               len(chosen), int(packer.rank[node]))
+        if best is None or key < best[0]:
+            best = (key, Plan(node=node, victims=tuple(chosen), stopping=tuple(held)))
+    return best[1] if best else None
+
+
+def _greedy(packer: Packer, node: int, req: Request, ordered: Sequence[Victim],
+            held: Sequence[Running]) -> list[Victim] | None:
+    """Cheapest victims first until `req` fits; then drop any that turned out unneeded."""
+    if not ordered and not held:
+        return None
+    chosen: list[Victim] = []
+    freed = list(held)
+    if not _fits(packer, node, req, freed):
+        for victim in ordered:
+            chosen.append(victim)
+            if _fits(packer, node, req, freed + [v.running for v in chosen]):
+                break
+        else:
+            return None
+    for victim in sorted(chosen, key=lambda v: (-v.lost_gpu_s, -v.score)):
+        rest = [v for v in chosen if v is not victim]
+        if _fits(packer, node, req, freed + [v.running for v in rest]):
+            chosen = rest
+    return chosen

@@ -1,0 +1,317 @@
+"""The policy core, rule by rule: score, packing, preemption, temperature, tiers and backfill,
+maintenance. Each case builds its own tiny cluster."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+import pytest
+
+from m27.scheduler.model import (
+    Pause,
+    PolicySettings,
+    Preempt,
+    Resume,
+    Stage,
+)
+from m27.scheduler.policy import decide, explain
+from m27.scheduler.tests.support import (
+    node,
+    places,
+    preempted,
+    queued,
+    running,
+    state,
+    waits,
+)
+
+S = PolicySettings()
+HOUR = 3600.0
+
+
+# -- 1. score --------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("urgency", "user", "level", "waited_h", "held_gpu_h"), [
+    ("low", "ann", "student", 0.0, 0.0),
+    ("normal", "bob", "staff", 2.0, 0.0),
+    ("urgent", "pia", "pi", 0.5, 3.0),
+    ("high", "nobody", "student", 10.0, 1.0),  # unknown user: default level
+])
+def test_score_is_urgency_plus_level_plus_aging_minus_held(
+        urgency: str, user: str, level: str, waited_h: float, held_gpu_h: float) -> None:
+    settings = PolicySettings(user_levels={"ann": "student", "bob": "staff", "pia": "pi"})
+    now = 100 * HOUR
+    q = queued("t", 500, at=now - waited_h * HOUR, attained=held_gpu_h * HOUR,
+               urgency=urgency, user=user)
+    (e,) = explain(state(node("n", 0)), [q], now, settings)
+    expected = (settings.urgency_weight[urgency] + settings.level_weight[level]
+                + settings.aging_per_hour * waited_h
+                - settings.held_per_gpu_hour * held_gpu_h)
+    assert e.score.total == pytest.approx(expected)
+    assert e.score.user_level == level
+    assert e.score.aging == pytest.approx(settings.aging_per_hour * waited_h)
+    assert e.score.held == pytest.approx(settings.held_per_gpu_hour * held_gpu_h)
+
+
+def test_explain_says_why_a_share_waits_with_the_largest_free_slice() -> None:
+    cluster = state(node("n1", 1), node("n2", 2), running=(
+        running("a", "n1", (0,), 900), running("b", "n2", (0,), 1000),
+        running("c", "n2", (1,), 700)))
+    q = queued("t", 500, gpu_memory_mb=12_288)
+    (e,) = explain(cluster, [q], 10.0)
+    assert e.action == "wait"
+    assert e.reason == ("needs 0.50 GPU with 12 GiB; largest free slice is 0.30 "
+                        "(GPU 1 on n2)")
+
+
+def test_higher_score_goes_first_and_ties_go_to_the_longest_waiting() -> None:
+    queue = [queued("late", 1000, at=50), queued("early", 1000, at=10),
+             queued("urgent", 1000, at=90, urgency="urgent")]
+    decisions = decide(state(node("n1", 2)), queue, 100.0)
+    assert set(places(decisions)) == {"urgent", "early"}
+    assert set(waits(decisions)) == {"late"}
+
+
+# -- 2. packing ------------------------------------------------------------------------
+
+def test_a_share_fills_a_partly_used_gpu_rather_than_breaking_a_free_one() -> None:
+    cluster = state(node("n1", 2), running=(running("a", "n1", (1,), 500),))
+    assert places(decide(cluster, [queued("t", 500)], 10.0)) == {"t": ("n1", (1,))}
+
+
+@pytest.mark.parametrize(("gpus_per_node", "want", "expect"), [
+    ((1, 1, 3), 2000, {"t": ("n3", (0, 1))}),
+    ((1, 1), 2000, {}),  # 2 free GPUs in the cluster, but not on one node
+])
+def test_gangs_go_to_one_node_all_or_nothing(
+        gpus_per_node: tuple[int, ...], want: int,
+        expect: dict[str, tuple[str, tuple[int, ...]]]) -> None:
+    cluster = state(*(node(f"n{i + 1}", g) for i, g in enumerate(gpus_per_node)))
+    decisions = decide(cluster, [queued("t", want)], 10.0)
+    assert places(decisions) == expect
+    assert (not expect) == ("t" in waits(decisions))
+
+
+def test_a_small_gang_leaves_the_big_node_whole_for_a_big_one() -> None:
+    cluster = state(node("n1", 4), node("n2", 2))
+    decisions = decide(cluster, [queued("a-small", 2000), queued("b-big", 4000)], 10.0)
+    assert places(decisions) == {"a-small": ("n2", (0, 1)), "b-big": ("n1", (0, 1, 2, 3))}
+
+
+def test_gpu_model_constraint() -> None:
+    cluster = state(node("a", 2, model="T4"), node("b", 2, model="V100"))
+    assert places(decide(cluster, [queued("t", 1000, gpu_model="V100")], 1.0)) == {
+        "t": ("b", (0,))}
+    assert "t" in waits(decide(cluster, [queued("t", 1000, gpu_model="A100")], 1.0))
+
+
+@pytest.mark.parametrize(("overprovision", "fits"), [(1.0, False), (1.5, True)])
+def test_gpu_memory_limits_sharing_unless_overprovisioned(overprovision: float,
+                                                          fits: bool) -> None:
+    cluster = state(node("n1", 1), running=(
+        running("a", "n1", (0,), 300, gpu_memory_mb=12_288),))
+    settings = PolicySettings(memory_overprovision=overprovision)
+    decisions = decide(cluster, [queued("t", 300, gpu_memory_mb=8192)], 1.0, settings)
+    assert ("t" in places(decisions)) is fits
+
+
+def test_a_share_without_memory_gets_its_proportion_of_gpu_memory() -> None:
+    # 0.6 of a 16 GiB GPU holds ~9.8 GiB: a 0.3 share asking 8 GiB no longer fits.
+    cluster = state(node("n1", 1), running=(running("a", "n1", (0,), 600),))
+    assert "t" in waits(decide(cluster, [queued("t", 300, gpu_memory_mb=8192)], 1.0))
+    assert "t" in places(decide(cluster, [queued("t", 300)], 1.0))
+
+
+def test_cpu_and_host_memory_limit_placement() -> None:
+    cluster = state(node("n1", 2, cpu=4000, mem=8192))
+    assert "t" in waits(decide(cluster, [queued("t", 500, cpu_milli=6000)], 1.0))
+    assert "t" in waits(decide(cluster, [queued("t", 500, memory_mb=9000)], 1.0))
+    assert "t" in places(decide(cluster, [queued("t", 500, cpu_milli=4000)], 1.0))
+
+
+# -- 3. preemption ---------------------------------------------------------------------
+
+NOW = 10_000.0
+
+
+@pytest.mark.parametrize(("victim_kw", "task_urgency", "task_at", "preempts"), [
+    ({"preemptible": True, "urgency": "low"}, "urgent", NOW, True),
+    ({"preemptible": False, "urgency": "low"}, "urgent", NOW, False),  # not preemptible
+    ({"preemptible": True, "urgency": "urgent"}, "urgent", NOW, False),  # higher score
+    ({"preemptible": True, "urgency": "low", "started": NOW - 60}, "urgent", NOW,
+     False),  # too young
+    ({"preemptible": True, "urgency": "low"}, "low", NOW, False),  # no lower score
+    ({"preemptible": True, "urgency": "normal"}, "normal", NOW - 10 * HOUR,
+     False),  # aged past it, but a peer: aging orders the queue, it does not preempt
+    ({"preemptible": True, "urgency": "normal"}, "high", NOW, True),  # a higher class
+    ({"preemptible": True, "urgency": "normal", "queued_at": NOW - 100 * HOUR}, "high", NOW,
+     False),  # a higher class, but the victim's score has aged above the task's
+])
+def test_preemption_rules(victim_kw: dict[str, Any], task_urgency: str, task_at: float,
+                          preempts: bool) -> None:
+    kw: dict[str, Any] = {"started": NOW - 1000, "queued_at": NOW - 1000, **victim_kw}
+    cluster = state(node("n1", 1), running=(running("v", "n1", (0,), 1000, **kw),))
+    decisions = decide(cluster, [queued("t", 1000, at=task_at, urgency=task_urgency)],
+                       NOW)
+    assert (preempted(decisions) == ["v"]) is preempts
+    assert "t" in waits(decisions)
+    if preempts:
+        (p,) = [d for d in decisions if isinstance(d, Preempt)]
+        assert p.grace_s == S.preempt_grace_s
+        assert p.for_task == "t"
+        assert waits(decisions)["t"] == "waiting for 1 preempted task(s) to checkpoint on n1"
+
+
+def test_victims_lose_the_least_work_then_are_fewest() -> None:
+    common: dict[str, Any] = {"preemptible": True, "urgency": "low", "started": NOW - 5000}
+    cluster = state(node("n1", 1), node("n2", 1), node("n3", 2), running=(
+        running("fresh-ckpt", "n1", (0,), 1000, checkpoints=True,
+                last_checkpoint_at=NOW - 30, **common),
+        running("no-ckpt", "n2", (0,), 1000, **common),
+        running("half1", "n3", (0,), 1000, checkpoints=True, last_checkpoint_at=NOW - 100,
+                **common),
+        running("half2", "n3", (1,), 1000, checkpoints=True, last_checkpoint_at=NOW - 100,
+                **common)))
+    one = decide(cluster, [queued("t", 1000, urgency="urgent")], NOW)
+    assert preempted(one) == ["fresh-ckpt"]
+    two = decide(cluster, [queued("t", 2000, urgency="urgent")], NOW)
+    assert sorted(preempted(two)) == ["half1", "half2"]
+
+
+def test_stopping_tasks_count_as_held_and_are_waited_for() -> None:
+    cluster = state(node("n1", 1), running=(
+        running("v", "n1", (0,), 1000, stopping=True, preemptible=True, urgency="low"),
+        running("w", "n1", (0,), 0, preemptible=True, urgency="low", started=0.0)))
+    decisions = decide(cluster, [queued("t", 1000, urgency="urgent")], NOW)
+    assert preempted(decisions) == []
+    assert waits(decisions)["t"] == "waiting for 1 preempted task(s) to checkpoint on n1"
+
+
+# -- 4. temperature --------------------------------------------------------------------
+
+@pytest.mark.parametrize(("temps", "throttled", "expect"), [
+    ((85.0, 60.0), (), (1,)),  # GPU 0 too hot
+    ((50.0, 60.0), (0,), (1,)),  # GPU 0 throttled
+    ((70.0, 40.0), (), (1,)),  # both fine: the cooler one
+    ((40.0, 70.0), (), (0,)),
+])
+def test_hot_or_throttled_gpus_get_no_work_and_cooler_ones_are_preferred(
+        temps: tuple[float, float], throttled: tuple[int, ...],
+        expect: tuple[int, ...]) -> None:
+    cluster = state(node("n1", 2, temps=temps, throttled=throttled))
+    assert places(decide(cluster, [queued("t", 1000)], 1.0)) == {"t": ("n1", expect)}
+
+
+def test_all_gpus_hot_means_waiting_with_the_reason() -> None:
+    cluster = state(node("n1", 1, temps=(90.0,)))
+    reason = waits(decide(cluster, [queued("t", 500)], 1.0))["t"]
+    assert "too hot or throttled" in reason
+
+
+# -- 5. tiers, ready pool, backfill ----------------------------------------------------
+
+def test_background_only_takes_leftovers() -> None:
+    queue = [queued("bg", 1000, at=0.0, tier="background", urgency="urgent"),
+             queued("imm", 1000, at=50.0, urgency="low")]
+    decisions = decide(state(node("n1", 1)), queue, 100.0)
+    assert places(decisions) == {"imm": ("n1", (0,))}
+    assert waits(decisions)["bg"].startswith("background tier")
+
+
+def test_an_immediate_job_preempts_background_even_a_young_one() -> None:
+    cluster = state(node("n1", 1), running=(
+        running("bg", "n1", (0,), 1000, tier="background", urgency="urgent",
+                started=NOW - 5),))
+    decisions = decide(cluster, [queued("imm", 1000, at=NOW, urgency="low")], NOW)
+    assert preempted(decisions) == ["bg"]
+
+
+def test_the_ready_pool_is_staged_once_on_the_likely_node() -> None:
+    cluster = state(node("n1", 1), node("n2", 1), running=(
+        running("a", "n1", (0,), 1000), running("b", "n2", (0,), 600)))
+    queue = [queued(f"w{i}", 1000, at=float(i)) for i in range(4)]
+    stages = [d for d in decide(cluster, queue, 10.0, PolicySettings(ready_pool=2))
+              if isinstance(d, Stage)]
+    assert [(s.task_id, s.node_id) for s in stages] == [("w0", "n2"), ("w1", "n2")]
+    queue[0] = msgspec.structs.replace(queue[0], staged_on="n2")
+    stages = [d for d in decide(cluster, queue, 10.0, PolicySettings(ready_pool=2))
+              if isinstance(d, Stage)]
+    assert [s.task_id for s in stages] == ["w1"]
+
+
+def test_a_staged_task_starts_on_its_staged_node_when_it_fits() -> None:
+    cluster = state(node("n1", 2), node("n2", 2))
+    assert places(decide(cluster, [queued("t", 1000, staged_on="n2")], 1.0))["t"][0] == "n2"
+
+
+def test_idle_share_is_backfilled_by_background_work() -> None:
+    cluster = state(node("n1", 1), running=(
+        running("main", "n1", (0,), 1000, idle=True, gpu_memory_mb=4096),))
+    decisions = decide(cluster, [queued("bg", 500, tier="background")], 1.0)
+    (place,) = [d for d in decisions if d.task_id == "bg"]
+    assert place == msgspec.structs.replace(place, node_id="n1", gpu_ids=(0,),
+                                            lender="main")
+    busy = state(node("n1", 1), running=(running("main", "n1", (0,), 1000,
+                                                 gpu_memory_mb=4096),))
+    assert "bg" in waits(decide(busy, [queued("bg", 500, tier="background")], 1.0))
+
+
+def test_no_backfill_when_the_idle_task_holds_all_gpu_memory() -> None:
+    cluster = state(node("n1", 1), running=(running("main", "n1", (0,), 1000, idle=True),))
+    assert "bg" in waits(decide(cluster, [queued("bg", 500, tier="background")], 1.0))
+
+
+@pytest.mark.parametrize(("lender_idle", "paused", "paused_at", "expect"), [
+    (False, False, None, Pause),
+    (True, True, 0.0, Resume),
+    (False, True, NOW - 10_000, Preempt),  # paused long, preemptible
+    (False, True, NOW - 10, None),  # paused a short while: stays paused
+    (True, False, None, None),  # lender still idle: keeps running
+])
+def test_backfill_follows_its_lender(lender_idle: bool, paused: bool,
+                                     paused_at: float | None, expect: type | None) -> None:
+    cluster = state(node("n1", 1), running=(
+        running("main", "n1", (0,), 1000, idle=lender_idle),
+        running("bf", "n1", (0,), 500, lender="main", paused=paused, paused_at=paused_at,
+                preemptible=True, tier="background")))
+    kinds = [type(d) for d in decide(cluster, [], NOW) if d.task_id == "bf"]
+    assert kinds == ([expect] if expect else [])
+
+
+# -- 6. maintenance --------------------------------------------------------------------
+
+def test_cordoned_nodes_take_no_work() -> None:
+    cluster = state(node("n1", 2, schedulable=False))
+    reason = waits(decide(cluster, [queued("t", 500)], 1.0))["t"]
+    assert "no node takes new work" in reason
+
+
+def test_drain_moves_checkpointing_tasks_and_lets_others_finish() -> None:
+    cluster = state(node("n1", 2, schedulable=False, draining=True), node("n2", 2),
+                    running=(running("ck", "n1", (0,), 1000, checkpoints=True),
+                             running("plain", "n1", (1,), 1000)))
+    decisions = decide(cluster, [], 1.0)
+    assert preempted(decisions) == ["ck"]
+    (p,) = [d for d in decisions if isinstance(d, Preempt)]
+    assert p.reason.startswith("drain n1")
+
+
+@pytest.mark.parametrize("stopping", [False, True])
+def test_capacity_freed_for_a_waiting_task_is_not_refilled_by_lower_work(
+        stopping: bool) -> None:
+    """A whole-GPU task preempts the background task holding half a GPU: the other half
+    (free now) and the half being freed stay reserved for it, in this cycle and while the
+    victim checkpoints — otherwise another background task takes the free half, the GPU
+    never becomes whole, and the preemption repeats every grace period (a livelock the
+    simulator found)."""
+    victim = running("b1", "n1", (0,), 500, started=NOW - 1000, tier="background",
+                     preemptible=True, stopping=stopping)
+    cluster = state(node("n1", 1), running=(victim,))
+    queue = [queued("t", 1000, at=NOW - 10),
+             queued("b2", 500, at=NOW - 5000, tier="background", preemptible=True)]
+    decisions = decide(cluster, queue, NOW)
+    assert preempted(decisions) == ([] if stopping else ["b1"])
+    assert "t" in waits(decisions)
+    assert "b2" in waits(decisions)
+    assert places(decisions) == {}

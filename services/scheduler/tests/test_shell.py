@@ -1,0 +1,206 @@
+"""The scheduler's shell without NATS: what the policy is shown (`_state`), and that carrying
+out a decision twice (a redelivery, a decision repeated after a restart) has one effect."""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+import msgspec
+import pytest
+
+from m27.common import events
+from m27.common.config import Config, SchedulerSection
+from m27.common.errors import ConfigError
+from m27.common.model import GpuInfo, GpuSample, NodeInfo, Resources
+from m27.scheduler._apply import Effects, Table
+from m27.scheduler._state import (
+    Maintenance,
+    NodeView,
+    Placement,
+    TaskEntry,
+    cluster_state,
+    job_of,
+    parse_map,
+    policy_settings,
+    queue_of,
+)
+from m27.scheduler.model import Decision, Pause, Place, Preempt, Resume, Stage, Wait
+
+T = TypeVar("T")
+GPU = GpuInfo(index=0, name="m27 simulated GPU", uuid="SIM-0", memory_total_mb=16384,
+              simulated=True)
+
+
+def task(name: str, **fields: Any) -> events.EnqueueTask:
+    base: dict[str, Any] = {"at": 0.0, "task_id": f"r/{name}", "run_id": "r", "step": name,
+                            "attempt": 1, "step_type": "gpu",
+                            "resources": Resources(gpus=1.0), "urgency": "normal",
+                            "user": "ada", "command": "true"}
+    return events.EnqueueTask(**{**base, **fields})
+
+
+def info(node_id: str, state: str = "up", temperature: float = 40.0) -> NodeInfo:
+    return NodeInfo(node_id=node_id, hostname="h", backend="simulated", gpus=(GPU,),
+                    cpu_slots=4, registered_at=0.0, last_heartbeat=0.0, state=state,  # type: ignore[arg-type]
+                    samples=(GpuSample(index=0, utilization_pct=55.0, memory_used_mb=1,
+                                       temperature_c=temperature, throttle=("power",)),))
+
+
+# ---------------------------------------------------------------- what the policy sees
+
+
+@pytest.mark.parametrize(("state", "alive", "mark", "schedulable", "draining"), [
+    ("up", True, None, True, False),
+    ("up", False, None, False, False),  # silent: not to be given work
+    ("stopping", True, None, False, False),
+    ("up", True, "cordoned", False, False),
+    ("up", True, "draining", False, True),
+])
+def test_nodes_take_work_only_when_up_alive_and_not_in_maintenance(
+        state: str, alive: bool, mark: str | None, schedulable: bool, draining: bool) -> None:
+    marks = {"n1": Maintenance(node_id="n1", state=mark)} if mark else {}  # type: ignore[arg-type]
+    (node,) = cluster_state([NodeView(info=info("n1", state), alive=alive)], marks, []).nodes
+    assert (node.schedulable, node.draining) == (schedulable, draining)
+    (gpu,) = node.gpus
+    assert (gpu.temperature_c, gpu.throttled, gpu.utilization_pct, gpu.simulated) == (
+        40.0, ("power",), 55.0, True)
+    assert node.cpu_milli == 4000
+
+
+def test_running_tasks_carry_their_idle_pause_and_lender_and_the_queue_keeps_queue_time() -> None:
+    placed = TaskEntry(task=task("a", preemptible=True, urgency="low"), queued_at=5.0,
+                       attained_gpu_s=30.0, placed_at=9.0, started=True, started_at=10.0,
+                       idle=True, paused=True, paused_at=12.0, stopping="drain",
+                       placement=Placement(task_id="r/a", attempt=1, node_id="n1",
+                                           gpu_ids=(0,), gpu_milli=1000, lender="r/main"))
+    later = TaskEntry(task=task("c", not_before=100.0), queued_at=1.0)
+    waiting = TaskEntry(task=task("b", resources=Resources(gpus=0.3, gpu_memory_mb=2048)),
+                        queued_at=3.0, attained_gpu_s=7.0)
+    state = cluster_state([NodeView(info=info("n1"), alive=True)], {}, [waiting, placed, later])
+    (running,) = state.running
+    assert (running.started_at, running.queued_at, running.attained_gpu_s) == (10.0, 5.0, 30.0)
+    assert (running.idle, running.paused, running.paused_at, running.lender, running.stopping
+            ) == (True, True, 12.0, "r/main", True)
+    assert running.job.tier == "background"
+    assert running.job.checkpoints
+    (queued,) = queue_of([waiting, placed, later], now=50.0)  # c waits for its backoff
+    assert (queued.job.task_id, queued.queued_at, queued.attained_gpu_s) == ("r/b", 3.0, 7.0)
+    assert (queued.job.gpu_milli, queued.job.gpu_memory_mb, queued.job.tier) == (
+        300, 2048, "immediate")
+    assert [q.job.task_id for q in queue_of([waiting, placed, later], now=100.0)] == [
+        "r/c", "r/b"]
+
+
+def test_the_scheduler_section_becomes_the_policy_settings() -> None:
+    section = SchedulerSection(urgency_weights="low:1, normal:2,high:3,urgent:9",
+                               user_levels="ada:pi,bob:staff", level_weights="pi:50",
+                               min_runtime=30.0, preempt_grace=5.0, backfill=False,
+                               ready_pool=0, max_pause=7.0, max_temperature=70.0)
+    settings = policy_settings(Config(scheduler=section))
+    assert settings.urgency_weight == {"low": 1.0, "normal": 2.0, "high": 3.0, "urgent": 9.0}
+    assert (settings.user_levels, settings.level_weight) == (
+        {"ada": "pi", "bob": "staff"}, {"pi": 50.0})
+    assert (settings.min_runtime_s, settings.preempt_grace_s, settings.backfill,
+            settings.ready_pool, settings.max_pause_s, settings.max_temperature_c) == (
+        30.0, 5.0, False, 0, 7.0, 70.0)
+    with pytest.raises(ValueError, match="name:value"):
+        parse_map("a:1,b")
+    with pytest.raises(ConfigError, match="expected name:value, got 'alice'"):
+        policy_settings(Config(scheduler=SchedulerSection(user_levels="alice")))
+    with pytest.raises(ConfigError, match="could not convert"):
+        policy_settings(Config(scheduler=SchedulerSection(level_weights="pi:lots")))
+    assert job_of(task("x", checkpoint_interval_s=60.0)).checkpoints
+
+
+# ---------------------------------------------------------------- idempotent effects
+
+
+class FakeBus:
+    """Records what is published and keeps KV values (the fences bucket does CAS)."""
+
+    def __init__(self) -> None:
+        self.published: list[tuple[str, events.Message, str | None]] = []
+        self.kv: dict[tuple[str, str], bytes] = {}
+
+    async def publish(self, subject: str, message: events.Message, *,
+                      msg_id: str | None = None) -> None:
+        self.published.append((subject, message, msg_id))
+
+    async def kv_put(self, bucket: str, key: str, value: msgspec.Struct) -> int:
+        self.kv[(bucket, key)] = msgspec.json.encode(value)
+        return 1
+
+    async def kv_delete(self, bucket: str, key: str) -> None:
+        self.kv.pop((bucket, key), None)
+
+    async def kv_update(self, bucket: str, key: str, type_: type[T], change: Any) -> T | None:
+        raw = self.kv.get((bucket, key))
+        current = msgspec.json.decode(raw, type=type_) if raw is not None else None
+        new = change(current)
+        if new is not None:
+            self.kv[(bucket, key)] = msgspec.json.encode(new)
+            return new  # type: ignore[no-any-return]
+        return current
+
+    def kinds(self) -> list[str]:
+        return [events.tag_of(m) for _, m, _ in self.published]
+
+
+@pytest.fixture
+def shell() -> tuple[FakeBus, Table, Effects]:
+    bus = FakeBus()
+    table = Table(bus)  # type: ignore[arg-type]
+    return bus, table, Effects(bus, table)  # type: ignore[arg-type]
+
+
+async def test_each_decision_applied_twice_has_one_effect(
+        shell: tuple[FakeBus, Table, Effects]) -> None:
+    bus, table, effects = shell
+    nodes = {"n1": info("n1")}
+    await table.store(TaskEntry(task=task("a", preemptible=True), queued_at=1.0))
+    await table.store(TaskEntry(task=task("b"), queued_at=2.0))
+    place = Place(task_id="r/a", attempt=1, node_id="n1", gpu_ids=(0,), gpu_milli=500,
+                  reason="fits", lender="r/main")
+    decisions: list[Decision] = [place, Wait(task_id="r/b", reason="needs 1 GPU"),
+                 Stage(task_id="r/b", node_id="n1", reason="ready pool"),
+                 Pause(task_id="r/a", attempt=1, reason="lender busy"),
+                 Resume(task_id="r/a", attempt=1, reason="lender idle"),
+                 Preempt(task_id="r/a", attempt=1, reason="make room", grace_s=7.0)]
+    for decision in decisions:
+        await effects.apply(decision, nodes, 10.0)
+        await effects.apply(decision, nodes, 10.5)
+    assert bus.kinds() == ["start_task", "task_placed", "pause_task", "resume_task",
+                           "stop_task"]
+    stop = bus.published[-1][1]
+    assert isinstance(stop, events.StopTask)
+    assert (stop.cause, stop.grace_s, stop.reason) == ("preempted", 7.0, "make room")
+    ids = [msg_id for _, _, msg_id in bus.published]
+    assert len(set(ids)) == len(ids)
+    a, b = table.entries["r/a"], table.entries["r/b"]
+    assert a.placement is not None
+    assert (a.placement.gpu_milli, a.placement.lender, a.stopping) == (500, "r/main",
+                                                                       "make room")
+    assert (b.wait_reason, b.staged_on, b.placement) == ("needs 1 GPU", "n1", None)
+
+
+async def test_a_paused_task_is_continued_before_it_is_asked_to_checkpoint_and_stop(
+        shell: tuple[FakeBus, Table, Effects]) -> None:
+    bus, table, effects = shell
+    await table.store(TaskEntry(task=task("a"), queued_at=1.0, paused=True, placement=Placement(
+        task_id="r/a", attempt=1, node_id="n1", gpu_ids=(0,), gpu_milli=1000)))
+    await effects.apply(Preempt(task_id="r/a", attempt=1, reason="drain", grace_s=3.0),
+                        {}, 5.0)
+    assert bus.kinds() == ["resume_task", "stop_task"]
+
+
+async def test_a_placement_a_newer_attempt_already_holds_is_dropped(
+        shell: tuple[FakeBus, Table, Effects]) -> None:
+    bus, table, effects = shell
+    await table.store(TaskEntry(task=task("a", attempt=2), queued_at=1.0))
+    await effects.apply(Place(task_id="r/a", attempt=2, node_id="n1", gpu_ids=(0,),
+                              gpu_milli=1000, reason="fits"), {"n1": info("n1")}, 1.0)
+    await table.store(TaskEntry(task=task("a", attempt=1), queued_at=1.0))  # stale, late
+    await effects.apply(Place(task_id="r/a", attempt=1, node_id="n1", gpu_ids=(0,),
+                              gpu_milli=1000, reason="fits"), {"n1": info("n1")}, 2.0)
+    assert bus.kinds() == ["start_task", "task_placed"]
+    assert "r/a" not in table.entries

@@ -1,0 +1,63 @@
+"""Policies by name, as `m27 simulate --policy NAME` and the benchmarks choose them."""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import math
+from typing import Final
+
+from m27.scheduler.model import Policy, PolicySettings
+from m27.sim._baselines import best_fit, fifo, slurm_backfill, tiresias
+from m27.sim._byhand import ByHand
+from m27.sim._errors import SimError
+from m27.sim._workload import SimJob, Trace
+
+POLICY_HELP: Final = {
+    "m27": "m27's own policy (m27.scheduler.policy.decide), default settings",
+    "by-hand": "a person starts jobs on GPUs they notice free, by day; scripts at night",
+    "fifo": "automated first-come-first-served on whole GPUs",
+    "best-fit": "tightest-fit packing of shares and gangs",
+    "slurm": "Slurm-like priority + EASY backfill on whole GPUs",
+    "tiresias": "Tiresias-like 2-queue least-attained-service, preemptive",
+}
+POLICY_NAMES: Final = tuple(POLICY_HELP)
+#: Slurm users ask for more time than they need; the limit is this × the expected wall time.
+LIMIT_FACTOR: Final = 1.5
+
+
+def expected_wall_s(sim: SimJob) -> float:
+    """Solo-speed wall time: compute plus its I/O phases plus staging."""
+    phases = math.ceil(sim.duration_s / sim.io_every_s) - 1 if sim.io_every_s > 0 else 0
+    return sim.duration_s + max(0, phases) * sim.io_s + sim.stage_s
+
+
+def m27_policy(settings: PolicySettings | None = None) -> Policy:
+    """m27's policy core, looked up when asked for, so the simulator runs whatever
+    `m27.scheduler.policy` is installed now."""
+    module = importlib.import_module("m27.scheduler.policy")
+    decide = getattr(module, "decide", None)
+    if decide is None:
+        raise SimError("this build has no m27.scheduler.policy.decide: the m27 policy "
+                       "cannot be simulated (try --policy best-fit)")
+    policy: Policy = functools.partial(decide, settings=settings or PolicySettings())
+    return policy
+
+
+def make_policy(name: str, trace: Trace, *, settings: PolicySettings | None = None) -> Policy:
+    """A fresh policy (by-hand keeps memory, so one per run)."""
+    if name == "m27":
+        return m27_policy(settings)
+    if name == "by-hand":
+        return ByHand([j.job.task_id for j in trace.jobs if j.by_script],
+                      clock0_s=trace.clock0_s)
+    if name == "fifo":
+        return fifo
+    if name == "best-fit":
+        return best_fit
+    if name == "slurm":
+        return slurm_backfill({j.job.task_id: LIMIT_FACTOR * expected_wall_s(j)
+                               for j in trace.jobs})
+    if name == "tiresias":
+        return tiresias()
+    raise SimError(f"unknown policy {name!r}: choose one of {', '.join(POLICY_NAMES)}")

@@ -1,0 +1,119 @@
+"""What the scheduling end-to-end tests share: a system whose agents are started by the test
+(simulated GPUs, enough CPU slots), the scheduler's API, waits, and small step programs."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Final
+
+from m27.client import Client
+from m27.client.scheduler import QueueItem, SchedulerClient
+from m27.common.model import RunRecord, StepRecord
+from m27.embedded.processes import ServiceProcess, wait_ready
+from tests.support import Cluster, service_log
+
+#: Preemption may hit a task after 1 s (not 5 min), a stop gets 20 s to checkpoint.
+FAST_POLICY: Final = {"M27_SCHEDULER_MIN_RUNTIME": "1s", "M27_SCHEDULER_PREEMPT_GRACE": "20s",
+                      "M27_SCHEDULER_TICK": "0.5s"}
+
+#: Counts to N, one step every 0.1 s, appending "<attempt> <i>" to NAME.log; on SIGTERM it
+#: saves the step it is at into NAME.state (checkpoint-then-stop) and exits 143; a later
+#: attempt starts after the saved step.
+COUNTER: Final = '''\
+import os, pathlib, signal, sys, time
+name, total = sys.argv[1], int(sys.argv[2])
+state = pathlib.Path(f"{name}.state")
+i = int(state.read_text()) if state.exists() else 0
+attempt = os.environ.get("M27_ATTEMPT", "-")
+print(f"attempt {attempt} resumes at {i}", flush=True)
+def checkpoint_and_stop(signum, frame):
+    state.write_text(str(i))
+    with open(f"{name}.log", "a") as log:
+        log.write(f"{attempt} checkpoint {i}\\n")
+    sys.exit(143)
+signal.signal(signal.SIGTERM, checkpoint_and_stop)
+while i < total:
+    time.sleep(0.1)
+    i += 1
+    with open(f"{name}.log", "a") as log:
+        log.write(f"{attempt} {i} {time.time():.3f}\\n")
+state.write_text(str(i))
+'''
+
+
+def start_agent(cluster: Cluster, node: str, gpus: str = "sim:1") -> ServiceProcess:
+    proc = cluster.launch(f"agent-{node}", "m27.node_agent",
+                          ["--node-id", node, "--instance", node, "--gpus", gpus,
+                           "--cpu-slots", "8", "--heartbeat-interval", "1s"])
+    wait_ready([proc])
+    return proc
+
+
+def scheduler_address(cluster: Cluster) -> str:
+    return cluster.processes["scheduler"].grpc_address
+
+
+async def queue(cluster: Cluster, explain: bool = False) -> list[QueueItem]:
+    async with SchedulerClient(scheduler_address(cluster)) as scheduler:
+        return await scheduler.queue(explain=explain)
+
+
+def m27_cli(cluster: Cluster, *args: str) -> subprocess.CompletedProcess[str]:
+    """The `m27` command against this system (API and scheduler given explicitly)."""
+    env = {**cluster.env, "M27_API": cluster.api, "M27_SCHEDULER": scheduler_address(cluster)}
+    return subprocess.run([sys.executable, "-m", "m27.cli", *args], env=env, text=True,
+                          capture_output=True, timeout=60, check=False)
+
+
+async def wait_for(check: Callable[[], bool], what: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, what
+        await asyncio.sleep(0.05)
+
+
+async def step_of(client: Client, run_id: str, name: str) -> StepRecord:
+    step = (await client.get_run(run_id)).step(name)
+    assert step is not None
+    return step
+
+
+async def wait_step(client: Client, run_id: str, name: str,
+                    check: Callable[[StepRecord], bool], what: str,
+                    timeout: float = 60.0) -> StepRecord:
+    deadline = time.monotonic() + timeout
+    while True:
+        step = await step_of(client, run_id, name)
+        if check(step):
+            return step
+        assert time.monotonic() < deadline, f"{what}: {step}"
+        await asyncio.sleep(0.1)
+
+
+async def finished_run(client: Client, run_id: str, timeout: float = 90.0) -> RunRecord:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        run = await client.get_run(run_id)
+        if run.state in {"succeeded", "failed", "cancelled"}:
+            return run
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"run did not finish: {await client.get_run(run_id)}")
+
+
+def lines(path: Path) -> list[str]:
+    return path.read_text().splitlines() if path.exists() else []
+
+
+def counts(path: Path, attempt: int) -> list[int]:
+    """The steps an attempt of COUNTER logged, in order."""
+    return [int(parts[1]) for parts in (line.split() for line in lines(path))
+            if parts[0] == str(attempt) and parts[1] != "checkpoint"]
+
+
+def scheduler_log(cluster: Cluster) -> str:
+    return service_log(cluster.processes["scheduler"])

@@ -1,0 +1,135 @@
+"""Backfill end to end, with a real node-agent on one simulated GPU (its utilization is
+modelled from the CPU time of each task's processes: a busy loop is a busy GPU, a sleep an
+idle one).
+
+The main step holds the whole GPU and alternates compute and I/O phases, announcing each
+with `m27.train.report_phase`. When it reports `io`, the agent publishes `task_idle`, and
+the scheduler starts a waiting background step in the idle capacity (a placement with the
+main step as its lender). When the main step computes again (`task_busy`), the backfill is
+paused (SIGSTOP through the agent) and it is resumed at the next I/O phase; it finishes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Final
+
+import pytest
+
+from m27.client import Client
+from m27.client.scheduler import QueueItem
+from tests.scheduling_support import (
+    COUNTER,
+    FAST_POLICY,
+    finished_run,
+    lines,
+    queue,
+    scheduler_log,
+    start_agent,
+    wait_for,
+)
+from tests.support import Cluster, service_log
+
+pytestmark = pytest.mark.integration
+
+#: compute 2 s, I/O 5 s, compute 5 s, I/O 5 s, compute 1 s; each phase start logged.
+MAIN: Final = '''\
+import time
+from m27.train import report_phase
+def mark(what):
+    with open("main.phases", "a") as log:
+        log.write(f"{what} {time.time():.3f}\\n")
+def compute(seconds):
+    report_phase("compute")
+    mark("compute")
+    end = time.time() + seconds
+    while time.time() < end:
+        pass
+def io(seconds):
+    report_phase("io")
+    mark("io")
+    time.sleep(seconds)
+compute(2); io(5); compute(5); io(5); compute(1)
+mark("end")
+'''
+#: GPU memory asked for explicitly: what the main step leaves free is what a backfill may use
+#: (16 GiB simulated GPUs).
+MAIN_PIPELINE: Final = ("pipeline:\n  - {name: train, type: gpu, resources: {gpu_memory: 8GiB}, "
+                        "command: '\"$M27_PYTHON\" main.py'}\n")
+BACKFILL_PIPELINE: Final = ("priority: low\npreemptible: true\npipeline:\n"
+                            "  - {name: prep, type: gpu, resources: {gpu_memory: 4GiB}, "
+                            "command: '\"$M27_PYTHON\" counter.py prep 80'}\n")
+
+
+@pytest.fixture
+def system(tmp_path: Path) -> Iterator[Cluster]:
+    cluster = Cluster(tmp_path / "system", nodes=0,
+                      env={**FAST_POLICY, "M27_NODE_IDLE_SAMPLES": "2"})
+    cluster.start()
+    start_agent(cluster, "node-1")
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture
+async def client(system: Cluster) -> AsyncIterator[Client]:
+    async with Client(system.api) as connected:
+        yield connected
+
+
+def phases(path: Path) -> list[tuple[str, float]]:
+    return [(parts[0], float(parts[1])) for parts in (line.split() for line in lines(path))]
+
+
+def ticks(path: Path) -> list[float]:
+    """When the backfill counted (it counts every 0.1 s while it is not paused)."""
+    return [float(parts[2]) for parts in (line.split() for line in lines(path))
+            if len(parts) == 3]
+
+
+async def test_an_idle_report_starts_a_backfill_that_is_paused_while_the_main_task_computes(
+        system: Cluster, client: Client, tmp_path: Path) -> None:
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "main.py").write_text(MAIN)
+    (work / "counter.py").write_text(COUNTER)
+    main = await client.submit(MAIN_PIPELINE, workdir=str(work))
+    await wait_for(lambda: bool(phases(work / "main.phases")), "the main step does not run")
+    backfill = await client.submit(BACKFILL_PIPELINE, workdir=str(work))
+    # While the main step computes, the background step waits: the GPU is taken.
+    waiting: list[QueueItem] = []
+    while not waiting:
+        waiting = [i for i in await queue(system, explain=True)
+                   if i.task_id == f"{backfill}/prep"]
+    assert (waiting[0].state, waiting[0].tier) == ("waiting", "background"), waiting
+    assert waiting[0].explanation is not None
+    assert "background tier" in waiting[0].reason
+
+    main_run = await finished_run(client, main)
+    backfill_run = await finished_run(client, backfill, timeout=60)
+    assert (main_run.state, backfill_run.state) == ("succeeded", "succeeded"), system.logs()
+
+    marks = phases(work / "main.phases")
+    assert [m for m, _ in marks] == ["compute", "io", "compute", "io", "compute", "end"]
+    (_, io1), (_, compute2), (_, io2) = marks[1], marks[2], marks[3]
+    counted = ticks(work / "prep.log")
+    # It started only once the main step had announced its I/O phase ...
+    assert counted[0] > io1, (counted[0], marks)
+    assert counted[0] < compute2, "it did not start within the first I/O phase"
+    # ... sharing the main step's GPU, as a backfill into it.
+    prep = backfill_run.steps[0]
+    assert (prep.node_id, prep.gpu_ids, prep.attempt) == ("node-1", (0,), 1)
+    log = scheduler_log(system)
+    assert f"backfill: {main}/train's" in log
+    # While the main step computed again it was paused: it counted nothing for seconds,
+    # and went on in the next I/O phase.
+    during = [t for t in counted if compute2 + 2.5 < t < io2]
+    assert not during, f"counted while the lender was busy: {during}"
+    assert any(io2 < t for t in counted), "never resumed"
+    assert "task.pause_sent" in log
+    assert "task.resume_sent" in log
+    agent = service_log(system.processes["agent-node-1"])
+    assert "task.paused" in agent
+    assert "task.resumed" in agent
+    assert lines(work / "prep.log")[-1].split()[1] == "80"
