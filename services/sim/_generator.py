@@ -46,11 +46,10 @@ class LabParams(msgspec.Struct, frozen=True, kw_only=True):
     io_share: float = 0.2  # of an MD or training run's wall time spent in I/O
     backlog_gpu_h_per_gpu: float = 48.0  # background work queued at time 0
     high_share: float = 0.1  # of submissions marked urgency "high"
-    #: GPU memory asked for (0: the share's proportion of the GPU's memory). An MD run
-    #: (GROMACS) holds a few GiB of a 16 GiB GPU; a background sweep asks 4 GiB. What an
-    #: idle holder leaves free is what backfill can use: a lender keeps its memory.
-    md_gpu_memory_mb: int = 4096
-    background_gpu_memory_mb: int = 4096
+    #: GPU memory asked for (0: the share's proportion of the GPU's memory). What an idle
+    #: holder leaves free is what backfill can use: a lender keeps its memory.
+    md_gpu_memory_mb: int = 0
+    background_gpu_memory_mb: int = 0
 
 
 def _poisson(rng: random.Random, mean: float) -> int:
