@@ -13,9 +13,9 @@ from typing import Final
 
 from m27.client import Client
 from m27.client.scheduler import QueueItem, SchedulerClient
-from m27.common.model import RunRecord, StepRecord
+from m27.common.model import StepRecord
 from m27.embedded.processes import ServiceProcess, wait_ready
-from tests.support import Cluster, service_log
+from tests.support import Cluster, lines, service_log
 
 #: Preemption may hit a task after 1 s (not 5 min), a stop gets 20 s to checkpoint.
 FAST_POLICY: Final = {"M27_SCHEDULER_MIN_RUNTIME": "1s", "M27_SCHEDULER_PREEMPT_GRACE": "20s",
@@ -70,13 +70,6 @@ def m27_cli(cluster: Cluster, *args: str) -> subprocess.CompletedProcess[str]:
                           capture_output=True, timeout=60, check=False)
 
 
-async def wait_for(check: Callable[[], bool], what: str, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, what
-        await asyncio.sleep(0.05)
-
-
 async def step_of(client: Client, run_id: str, name: str) -> StepRecord:
     step = (await client.get_run(run_id)).step(name)
     assert step is not None
@@ -93,20 +86,6 @@ async def wait_step(client: Client, run_id: str, name: str,
             return step
         assert time.monotonic() < deadline, f"{what}: {step}"
         await asyncio.sleep(0.1)
-
-
-async def finished_run(client: Client, run_id: str, timeout: float = 90.0) -> RunRecord:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        run = await client.get_run(run_id)
-        if run.state in {"succeeded", "failed", "cancelled"}:
-            return run
-        await asyncio.sleep(0.1)
-    raise AssertionError(f"run did not finish: {await client.get_run(run_id)}")
-
-
-def lines(path: Path) -> list[str]:
-    return path.read_text().splitlines() if path.exists() else []
 
 
 def counts(path: Path, attempt: int) -> list[int]:

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from m27.client import Client
+from m27.common.model import RunRecord
 from m27.embedded import NatsServer
 from m27.embedded.processes import ServiceProcess, launch, stop, wait_ready
 
@@ -68,6 +72,27 @@ class Cluster:
         stop(list(self.processes.values()))
         self.nats.stop()
 
+
+
+async def wait_for(check: Callable[[], bool], what: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, what
+        await asyncio.sleep(0.05)
+
+
+async def finished_run(client: Client, run_id: str, timeout: float = 90.0) -> RunRecord:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        run = await client.get_run(run_id)
+        if run.state in {"succeeded", "failed", "cancelled"}:
+            return run
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"run did not finish: {await client.get_run(run_id)}")
+
+
+def lines(path: Path) -> list[str]:
+    return path.read_text().splitlines() if path.exists() else []
 
 
 class TcpProxy:

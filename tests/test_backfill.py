@@ -22,14 +22,11 @@ from m27.client.scheduler import QueueItem
 from tests.scheduling_support import (
     COUNTER,
     FAST_POLICY,
-    finished_run,
-    lines,
     queue,
     scheduler_log,
     start_agent,
-    wait_for,
 )
-from tests.support import Cluster, service_log
+from tests.support import Cluster, finished_run, lines, service_log, wait_for
 
 pytestmark = pytest.mark.integration
 

@@ -22,15 +22,12 @@ from tests.scheduling_support import (
     COUNTER,
     FAST_POLICY,
     counts,
-    finished_run,
-    lines,
     m27_cli,
     queue,
     start_agent,
-    wait_for,
     wait_step,
 )
-from tests.support import Cluster
+from tests.support import Cluster, finished_run, lines, wait_for
 
 pytestmark = pytest.mark.integration
 

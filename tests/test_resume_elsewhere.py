@@ -13,22 +13,19 @@ them.
 
 from __future__ import annotations
 
-import asyncio
 import os
 import signal
 import subprocess
 import sys
-import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
 
 from m27.client import Client
-from m27.common.model import RunRecord
 from m27.embedded.nats_server import pid_alive
 from m27.embedded.processes import ServiceProcess, wait_ready
-from tests.support import Cluster
+from tests.support import Cluster, finished_run, lines, wait_for
 
 pytestmark = pytest.mark.integration
 pytest.importorskip("torch")
@@ -108,27 +105,6 @@ def start_agent(cluster: Cluster, node: str) -> ServiceProcess:
                            "--heartbeat-interval", "1s"], env={"M27_HOME": str(home)})
     wait_ready([proc])
     return proc
-
-
-async def wait_for(check: Callable[[], bool], what: str, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, what
-        await asyncio.sleep(0.05)
-
-
-async def finished_run(client: Client, run_id: str, timeout: float = 90.0) -> RunRecord:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        run = await client.get_run(run_id)
-        if run.state in {"succeeded", "failed", "cancelled"}:
-            return run
-        await asyncio.sleep(0.1)
-    raise AssertionError(f"run did not finish: {await client.get_run(run_id)}")
-
-
-def lines(path: Path) -> list[str]:
-    return path.read_text().splitlines() if path.exists() else []
 
 
 @pytest.fixture(scope="module")
