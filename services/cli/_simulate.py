@@ -96,12 +96,18 @@ def load(args: argparse.Namespace) -> Trace:
                       node_list=args.node_list)
 
 
-def run_all(args: argparse.Namespace, trace: Trace) -> list[tuple[Metrics, RawRun]]:
+def policy_names(args: argparse.Namespace) -> list[str]:
+    """The policies asked for, checked before the (possibly large) trace is read."""
     names = [n.strip() for n in args.policy.split(",") if n.strip()]
     unknown = [n for n in names if n not in POLICY_NAMES]
     if unknown or not names:
         raise M27Error(f"unknown policy {', '.join(unknown) or '(none)'}: choose from "
                        f"{', '.join(POLICY_NAMES)}")
+    return names
+
+
+def run_all(args: argparse.Namespace, trace: Trace) -> list[tuple[Metrics, RawRun]]:
+    names = policy_names(args)
     horizon = args.hours * 3600.0 if args.hours is not None else None
     if horizon is not None and horizon <= 0:
         raise M27Error("--hours must be positive")
@@ -130,6 +136,7 @@ def write_plots(directory: Path, runs: list[tuple[Metrics, RawRun]]) -> None:
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
+    policy_names(args)
     trace = load(args)
     if not trace.jobs:
         raise M27Error(f"{args.trace}: no jobs to replay (check --start/--days)")

@@ -42,6 +42,7 @@ from m27.scheduler.model import ClusterState, PolicySettings, Queued
 log = get_logger()
 
 NODE_REFRESH_S: Final = 5.0
+CYCLE_RETRY_MAX_S: Final = 30.0  # the longest pause after failed scheduling cycles
 STOP_GRACE_S: Final = 10.0
 
 
@@ -316,18 +317,29 @@ class Scheduler:
         await self.table.forget(task.task_id)
 
     async def loop(self, stop: asyncio.Event) -> None:
-        """Decide whenever something changed, and at least every tick."""
-        last_refresh = 0.0
+        """Decide whenever something changed, and at least every tick. A failed cycle (NATS
+        unreachable for a while, a bug in the policy) is logged and tried again after a
+        growing pause: the commands and events already queued stay durable meanwhile, and
+        the service stays up to answer and to recover."""
+        last_refresh, failures = 0.0, 0
         while not stop.is_set():
             now = time.time()
-            if now - last_refresh >= NODE_REFRESH_S:
-                await self.refresh_nodes()
-                last_refresh = now
+            pause = self.tick
             self.wake.clear()
-            async with self.lock:
-                await self.run_once(now)
+            try:
+                if now - last_refresh >= NODE_REFRESH_S:
+                    await self.refresh_nodes()
+                    last_refresh = now
+                async with self.lock:
+                    await self.run_once(now)
+                failures = 0
+            except Exception as exc:
+                failures += 1
+                pause = min(CYCLE_RETRY_MAX_S, self.tick * 2 ** min(failures, 10))
+                log.exception("scheduler.cycle_failed", error=str(exc) or type(exc).__name__,
+                              failures=failures, retry_in_s=pause)
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.wake.wait(), timeout=self.tick)
+                await asyncio.wait_for(self.wake.wait(), timeout=pause)
 
 
 async def serve(rt: ServiceRuntime) -> None:

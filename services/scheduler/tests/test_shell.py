@@ -3,15 +3,18 @@ out a decision twice (a redelivery, a decision repeated after a restart) has one
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any, TypeVar
 
 import msgspec
 import pytest
+from structlog.testing import capture_logs
 
 from m27.common import events
 from m27.common.config import Config, SchedulerSection
 from m27.common.errors import ConfigError
 from m27.common.model import GpuInfo, GpuSample, NodeInfo, Resources
+from m27.scheduler import service
 from m27.scheduler._apply import Effects, Table
 from m27.scheduler._state import (
     Maintenance,
@@ -204,3 +207,45 @@ async def test_a_placement_a_newer_attempt_already_holds_is_dropped(
                               gpu_milli=1000, reason="fits"), {"n1": info("n1")}, 2.0)
     assert bus.kinds() == ["start_task", "task_placed"]
     assert "r/a" not in table.entries
+
+
+# ---------------------------------------------------------------- the decision loop
+
+
+class NodesBus(FakeBus):
+    async def kv_keys(self, bucket: str) -> list[str]:
+        return [key for (b, key) in self.kv if b == bucket]
+
+    async def kv_get(self, bucket: str, key: str, type_: type[T]) -> tuple[T, int] | None:
+        raw = self.kv.get((bucket, key))
+        return None if raw is None else (msgspec.json.decode(raw, type=type_), 1)
+
+
+async def test_a_failing_cycle_is_logged_and_tried_again_the_service_stays_up(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A policy bug (or NATS away for a while) must not end the scheduler: the cycle is
+    logged, retried after a pause that grows, and scheduling resumes once it works."""
+    calls: list[float] = []
+    recovered = asyncio.Event()
+
+    def flaky(*args: Any) -> list[Decision]:
+        calls.append(args[2])
+        if len(calls) >= 4:
+            recovered.set()
+        if len(calls) <= 2:
+            raise RuntimeError("policy bug")
+        return []
+
+    monkeypatch.setattr(service.policy, "decide", flaky)
+    scheduler = service.Scheduler(NodesBus(), node_timeout=15.0, tick=0.01)  # type: ignore[arg-type]
+    stop = asyncio.Event()
+    with capture_logs() as logs:
+        loop = asyncio.create_task(scheduler.loop(stop))
+        await asyncio.wait_for(recovered.wait(), 10)
+        stop.set()
+        scheduler.wake.set()
+        await asyncio.wait_for(loop, 5)
+    failed = [e for e in logs if e["event"] == "scheduler.cycle_failed"]
+    assert [e["failures"] for e in failed] == [1, 2]
+    assert failed[0]["error"] == "policy bug"
+    assert failed[1]["retry_in_s"] > failed[0]["retry_in_s"]  # the pause grows

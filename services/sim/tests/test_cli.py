@@ -67,6 +67,10 @@ def test_unknown_policy_is_a_clear_error(tmp_path: Path) -> None:
     assert result.returncode == 1
     assert "unknown policy magic" in result.stderr
     assert "tiresias" in result.stderr
+    # ... said before a trace is read (a bad or huge trace is not parsed for nothing)
+    (tmp_path / "bad.jsonl").write_text("{not json\n")
+    early = simulate("--trace", str(tmp_path / "bad.jsonl"), "--policy", "magic")
+    assert "unknown policy magic" in early.stderr
 
 
 def test_help_lists_policies_and_formats() -> None:
