@@ -14,7 +14,7 @@ from m27.common import events
 from m27.common.config import Config, SchedulerSection
 from m27.common.errors import ConfigError
 from m27.common.model import GpuInfo, GpuSample, NodeInfo, Resources
-from m27.scheduler import service
+from m27.scheduler import policy, service
 from m27.scheduler._apply import Effects, Table
 from m27.scheduler._state import (
     Maintenance,
@@ -236,7 +236,7 @@ async def test_a_failing_cycle_is_logged_and_tried_again_the_service_stays_up(
             raise RuntimeError("policy bug")
         return []
 
-    monkeypatch.setattr(service.policy, "decide", flaky)
+    monkeypatch.setattr(policy, "decide", flaky)  # what service.py calls
     scheduler = service.Scheduler(NodesBus(), node_timeout=15.0, tick=0.01)  # type: ignore[arg-type]
     stop = asyncio.Event()
     with capture_logs() as logs:
