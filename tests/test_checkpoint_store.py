@@ -197,13 +197,16 @@ async def test_a_flipped_byte_is_data_loss_and_latest_falls_back_with_an_event(
             assert latest.checkpoint_id == good.checkpoint_id
             assert await asyncio.to_thread(restore, store, latest) == raw(tensors(2))
         deadline = time.monotonic() + 10
-        while not seen:
+        while not any(isinstance(e, events.CheckpointCorrupt) for e in seen):
             assert time.monotonic() < deadline, "no checkpoint_corrupt event"
             await asyncio.sleep(0.05)
     finally:
         await bus.close()
-    (event,) = seen
-    assert isinstance(event, events.CheckpointCorrupt)
+    # each commit was announced (the scheduler's "last checkpoint"), then the damage
+    assert [(e.checkpoint_id, e.attempt) for e in seen
+            if isinstance(e, events.CheckpointCommitted)] == [
+        (good.checkpoint_id, good.attempt), (bad.checkpoint_id, bad.attempt)]
+    (event,) = [e for e in seen if isinstance(e, events.CheckpointCorrupt)]
     assert (event.task_id, event.checkpoint_id, event.chunk_id, event.fell_back_to) == \
         (TASK, bad.checkpoint_id, victim, good.checkpoint_id)
 

@@ -67,10 +67,16 @@ def build_store(root: Path, bus: Bus, config: Config) -> CheckpointStore:
         await bus.publish(subjects.task_events(run_id, step), event,
                           msg_id=f"checkpoint-corrupt:{event.checkpoint_id}:{event.chunk_id}")
 
+    async def announce(event: events.CheckpointCommitted) -> None:
+        run_id, step = split_task_id(event.task_id)
+        await bus.publish(subjects.task_events(run_id, step), event,
+                          msg_id=f"checkpoint-committed:{event.checkpoint_id}")
+
     return CheckpointStore(
         ChunkStore(root), KvManifestIndex(bus), max_bytes=section.max_size,
         retention=RetentionPolicy(keep_last=section.keep_last, keep_every=section.keep_every),
-        gc_grace_s=section.gc_grace, assigned_attempt=assigned_attempt, on_corrupt=publish)
+        gc_grace_s=section.gc_grace, assigned_attempt=assigned_attempt, on_corrupt=publish,
+        on_commit=announce)
 
 
 async def collect_garbage(store: CheckpointStore, interval_s: float,

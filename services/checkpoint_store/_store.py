@@ -70,6 +70,7 @@ READS_AHEAD: Final = 2
 SHOWN_IDS: Final = 5
 
 OnCorrupt = Callable[[events.CheckpointCorrupt], Awaitable[None]]
+OnCommit = Callable[[events.CheckpointCommitted], Awaitable[None]]
 AssignedAttempt = Callable[[str], Awaitable[int | None]]
 
 
@@ -119,7 +120,8 @@ class CheckpointStore:
                  clock: Callable[[], float] = time.time,
                  token: Callable[[], str] = _token,
                  assigned_attempt: AssignedAttempt | None = None,
-                 on_corrupt: OnCorrupt | None = None) -> None:
+                 on_corrupt: OnCorrupt | None = None,
+                 on_commit: OnCommit | None = None) -> None:
         self.chunks = chunks
         self._index = index
         self.max_bytes = max_bytes
@@ -129,6 +131,7 @@ class CheckpointStore:
         self._token = token
         self._assigned_attempt = assigned_attempt
         self._on_corrupt = on_corrupt
+        self._on_commit = on_commit
         self._last_ms = 0
         self._task_locks: weakref.WeakValueDictionary[str, asyncio.Lock] = \
             weakref.WeakValueDictionary()
@@ -222,7 +225,22 @@ class CheckpointStore:
                           seq=(previous.seq if previous else 0) + 1, previous=previous)
             await self._index.put(sealed)
             deleted = await self._apply_retention([*existing, sealed])
+        await self._announce(sealed)
         return CommitResult(sealed, deleted)
+
+    async def _announce(self, sealed: Manifest) -> None:
+        """Tell the scheduler (best effort: the checkpoint is durable and visible already;
+        a lost event only makes a preemption choice less informed)."""
+        if self._on_commit is None:
+            return
+        try:
+            await self._on_commit(events.CheckpointCommitted(
+                at=self._clock(), task_id=sealed.task_id, attempt=sealed.attempt,
+                checkpoint_id=sealed.checkpoint_id, step=sealed.step,
+                size_bytes=sealed.size_bytes, new_bytes=sealed.new_bytes))
+        except Exception as exc:
+            log.warning("checkpoint.commit_unannounced", checkpoint_id=sealed.checkpoint_id,
+                        error=str(exc) or type(exc).__name__)
 
     def _new_id(self) -> str:
         self._last_ms = next_id_ms(int(self._clock() * 1000), self._last_ms)

@@ -166,6 +166,19 @@ class TaskOverShare(_Message, frozen=True, tag="task_over_share"):
     action: Literal["warned", "stopped"]
 
 
+class CheckpointCommitted(_Message, frozen=True, tag="checkpoint_committed"):
+    """The checkpoint-store made a checkpoint of a task visible (its chunks durable, its
+    manifest stored). Published on the task's events subject; the scheduler uses it to
+    pick preemption victims that lose the least work."""
+
+    task_id: str
+    attempt: int
+    checkpoint_id: str
+    step: int | None = None  # the training step it was taken after, if known
+    size_bytes: int = 0
+    new_bytes: int = 0
+
+
 class CheckpointCorrupt(_Message, frozen=True, tag="checkpoint_corrupt"):
     """The checkpoint-store found a checkpoint with a missing or damaged chunk while
     looking for a task's latest one, and handed out `fell_back_to` instead (empty: no
@@ -245,6 +258,7 @@ Event = (
     | TaskIdle
     | TaskBusy
     | TaskOverShare
+    | CheckpointCommitted
     | CheckpointCorrupt
     | GpuMemoryLeak
     | NodeRegistered

@@ -66,6 +66,7 @@ class TaskEntry(msgspec.Struct, frozen=True, kw_only=True):
     signals: int = 0  # pause/resume commands sent: each gets its own message id
     stopping: str = ""  # the reason of the stop already sent (preemption, drain)
     staged_on: str = ""  # the ready pool's choice (recorded only: no data staging yet)
+    last_checkpoint_at: float | None = None  # this attempt's latest checkpoint_committed
 
 
 class Maintenance(msgspec.Struct, frozen=True, kw_only=True):
@@ -171,7 +172,8 @@ def running_of(entry: TaskEntry) -> Running | None:
                    started_at=started, queued_at=entry.queued_at,
                    attained_gpu_s=entry.attained_gpu_s, idle=entry.idle, paused=entry.paused,
                    lender=placement.lender, stopping=bool(entry.stopping),
-                   paused_at=entry.paused_at if entry.paused else None)
+                   paused_at=entry.paused_at if entry.paused else None,
+                   last_checkpoint_at=entry.last_checkpoint_at)
 
 
 def cluster_state(nodes: Iterable[NodeView], maintenance: Mapping[str, Maintenance],

@@ -189,13 +189,14 @@ class Scheduler:
     async def on_task_event(self, msg: Msg) -> None:
         event = bus_module.decode_or_poison(msg.data, events.decode_event)
         if not isinstance(event, events.TaskStarted | events.TaskExited | events.TaskIdle
-                          | events.TaskBusy):
+                          | events.TaskBusy | events.CheckpointCommitted):
             return
         async with self.lock:
             await self._handle_task_event(event)
 
     async def _handle_task_event(self, event: events.TaskStarted | events.TaskExited
-                                 | events.TaskIdle | events.TaskBusy) -> None:
+                                 | events.TaskIdle | events.TaskBusy
+                                 | events.CheckpointCommitted) -> None:
         entry = self.table.current(event.task_id, event.attempt)
         if entry is None:
             return
@@ -209,6 +210,11 @@ class Scheduler:
                 if not entry.started:
                     await self.table.store(msgspec.structs.replace(
                         entry, started=True, started_at=event.at))
+            case events.CheckpointCommitted():
+                # (the store's clock: the policy compares it with its own `now`)
+                if entry.last_checkpoint_at is None or event.at > entry.last_checkpoint_at:
+                    await self.table.store(msgspec.structs.replace(
+                        entry, last_checkpoint_at=event.at))
             case events.TaskIdle() | events.TaskBusy():
                 idle = isinstance(event, events.TaskIdle)
                 if entry.idle != idle:

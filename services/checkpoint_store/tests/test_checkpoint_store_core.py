@@ -385,3 +385,23 @@ async def test_list_takes_exactly_one_of_task_and_run(store: CheckpointStore) ->
             await store.list(*args)
     with pytest.raises(InvalidCheckpointRequest, match="run_id must look like"):
         await store.list(run_id="r-*")
+
+
+async def test_each_commit_is_announced_and_an_announcement_failure_keeps_it(
+        tmp_path: Path) -> None:
+    """The scheduler learns when a task last checkpointed (least work lost on preemption);
+    the checkpoint is durable before that, so a failed announcement does not undo it."""
+    seen: list[events.CheckpointCommitted] = []
+
+    async def announce(event: events.CheckpointCommitted) -> None:
+        seen.append(event)
+        if len(seen) == 2:
+            raise TimeoutError("NATS is away")
+
+    store = make_store(tmp_path / "root", on_commit=announce)
+    first = await upload(store, {"w": b"x" * 5000}, step=10)
+    second = await upload(store, {"w": b"y" * 5000}, first, step=20)
+    assert [(e.task_id, e.checkpoint_id, e.step) for e in seen] == [
+        (TASK, first.checkpoint_id, 10), (TASK, second.checkpoint_id, 20)]
+    assert seen[0].size_bytes == 5000
+    assert (await store.get_manifest(TASK))[0] == second  # committed all the same

@@ -249,3 +249,23 @@ async def test_a_failing_cycle_is_logged_and_tried_again_the_service_stays_up(
     assert [e["failures"] for e in failed] == [1, 2]
     assert failed[0]["error"] == "policy bug"
     assert failed[1]["retry_in_s"] > failed[0]["retry_in_s"]  # the pause grows
+
+
+async def test_a_committed_checkpoint_of_the_current_attempt_reaches_the_policy() -> None:
+    """`checkpoint_committed` from the store sets the running task's last checkpoint (what
+    "least work lost" counts from); one of a stale attempt changes nothing."""
+    scheduler = service.Scheduler(NodesBus(), node_timeout=15.0, tick=1.0)  # type: ignore[arg-type]
+    placed = Placement(task_id="r/a", attempt=2, node_id="n1", gpu_ids=(0,), gpu_milli=1000)
+    await scheduler.table.store(TaskEntry(task=task("a", attempt=2), queued_at=1.0,
+                                          placement=placed, started=True, started_at=10.0))
+
+    def committed(attempt: int, at: float) -> events.CheckpointCommitted:
+        return events.CheckpointCommitted(at=at, task_id="r/a", attempt=attempt,
+                                          checkpoint_id=f"c-{at:.0f}")
+
+    await scheduler._handle_task_event(committed(1, 50.0))  # the attempt before: ignored
+    assert scheduler.entries["r/a"].last_checkpoint_at is None
+    await scheduler._handle_task_event(committed(2, 40.0))
+    await scheduler._handle_task_event(committed(2, 30.0))  # an older one, late: ignored
+    (running,) = cluster_state((), {}, scheduler.entries.values()).running
+    assert running.last_checkpoint_at == 40.0
