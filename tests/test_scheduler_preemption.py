@@ -88,7 +88,8 @@ async def test_an_urgent_step_preempts_a_background_one_which_resumes_from_its_c
     first = sweep.history[0]
     assert first.cause == "preempted", sweep.history
     assert f"make room for {urgent}/fix" in first.reason
-    assert (sweep.attempt, sweep.failures, sweep.infra_failures) == (2, 0, 0)
+    assert (sweep.attempt, sweep.failures, sweep.infra_failures, sweep.preemptions) == \
+        (2, 0, 0, 1)
 
     # The checkpoint the first attempt saved on SIGTERM is where the second resumed.
     saved = [line for line in lines(log) if line.startswith("1 checkpoint ")]

@@ -217,6 +217,8 @@ def _step_lines(step: StepRecord) -> list[str]:
     sim = " (simulated)" if step.gpu_simulated else ""
     code = f" exit {step.exit_code}" if step.exit_code is not None else ""
     attempt = f" attempt {step.attempt}" if step.attempt > 1 else ""
+    if step.preemptions:
+        attempt += f" ({step.preemptions} preempted)"
     lines = [f"  {step.name:<24} {step.type:<9} {step.state:<9} {step.node_id or '':<10}"
              f"{gpu}{sim}{code}{attempt} {took}".rstrip()]
     if step.started_at:
