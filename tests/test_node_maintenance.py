@@ -92,7 +92,11 @@ async def test_cordon_drain_and_uncordon_move_work_between_nodes(
 
     # Drain node-1 and uncordon node-2: md checkpoints, stops, and moves to node-2 (before
     # the short step, which has the lower priority and runs after it there).
-    assert "node-1: draining" in ok(m27_cli(system, "node", "drain", "node-1"))
+    # `--wait` returns once md has checkpointed and left: the moment a maintenance command
+    # (a GPU reset) can run.
+    waited = ok(m27_cli(system, "node", "drain", "node-1", "--wait", "--timeout", "50"))
+    assert "node-1: waiting for 1 task(s) to finish or move" in waited, waited
+    assert "node-1: draining; empty: a maintenance command can run now" in waited, waited
     ok(m27_cli(system, "node", "uncordon", "node-2"))
     run = await finished_run(client, movable)
     assert run.state == "succeeded", system.logs()

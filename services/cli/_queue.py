@@ -43,6 +43,12 @@ def add_commands(sub: Subparsers) -> None:
     node.add_argument("node_id", metavar="NODE")
     node.add_argument("--reason", default="", help="shown in `m27 nodes` and the logs")
     node.add_argument("--json", action="store_true", help="machine-readable output")
+    node.add_argument("--wait", action="store_true",
+                      help="(cordon, drain) return only once no task is placed on the node, "
+                      "showing what is left, so a maintenance command can follow: "
+                      "`m27 node drain gpu-02 --wait && ssh gpu-02 nvidia-smi -r`")
+    node.add_argument("--timeout", type=float, default=3600.0, metavar="SECONDS",
+                      help="with --wait: give up (exit 1) after this long (default 3600)")
     _scheduler_option(node)
 
 
@@ -145,13 +151,38 @@ def cmd_queue(args: argparse.Namespace) -> int:
 
 def cmd_node(args: argparse.Namespace) -> int:
     action: Action = args.action
+    if args.wait and action == "uncordon":
+        raise M27Error("--wait applies to cordon and drain (waiting for the node to empty)")
     mark = with_scheduler(args, lambda c: c.set_maintenance(args.node_id, action,
                                                             args.reason))
+    if args.wait and mark.tasks:
+        mark = with_scheduler(args, lambda c: wait_until_empty(
+            c, args.node_id, args.timeout, show=None if args.json else print))
     if args.json:
         print_json(mark)
     else:
         print(render_maintenance(mark))
     return 0
+
+
+async def wait_until_empty(client: SchedulerClient, node_id: str, timeout_s: float,
+                           show: Callable[[str], None] | None,
+                           poll_s: float = 1.0) -> NodeMaintenance:
+    """Poll until no task is placed on the node; each change of what is left is shown."""
+    deadline, shown = time.monotonic() + timeout_s, -1
+    while True:
+        mark = next((m for m in await client.maintenance() if m.node_id == node_id), None)
+        if mark is None or not mark.state:
+            raise M27Error(f"{node_id} was put back in service while waiting for it to empty")
+        if mark.tasks == 0:
+            return mark
+        if show is not None and mark.tasks != shown:
+            show(f"{node_id}: waiting for {mark.tasks} task(s) to finish or move ...")
+            shown = mark.tasks
+        if time.monotonic() >= deadline:
+            raise M27Error(f"{node_id} still has {mark.tasks} task(s) after {timeout_s:g}s "
+                           "(it stays cordoned/draining)")
+        await asyncio.sleep(poll_s)
 
 
 def maintenance_states(args: argparse.Namespace) -> dict[str, str]:

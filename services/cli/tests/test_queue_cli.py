@@ -6,7 +6,13 @@ from pathlib import Path
 
 import pytest
 
-from m27.cli._queue import render_maintenance, render_queue, scheduler_address, score_line
+from m27.cli._queue import (
+    render_maintenance,
+    render_queue,
+    scheduler_address,
+    score_line,
+    wait_until_empty,
+)
 from m27.client.scheduler import NodeMaintenance, QueueItem
 from m27.common.errors import M27Error
 
@@ -54,3 +60,36 @@ def test_the_scheduler_is_found_by_flag_environment_or_embedded_system(tmp_path:
     assert scheduler_address(None, {"M27_SCHEDULER": "h:2"}, tmp_path) == "h:2"
     with pytest.raises(M27Error, match="nothing is running"):
         scheduler_address(None, {}, tmp_path)
+
+
+class Marks:
+    """What `maintenance()` answers, call after call (the last one repeats)."""
+
+    def __init__(self, *answers: list[NodeMaintenance]) -> None:
+        self.answers = list(answers)
+
+    async def maintenance(self) -> list[NodeMaintenance]:
+        return self.answers.pop(0) if len(self.answers) > 1 else self.answers[0]
+
+
+def drain(tasks: int, state: str = "draining") -> list[NodeMaintenance]:
+    return [NodeMaintenance(node_id="n1", state=state, tasks=tasks)]
+
+
+async def test_drain_wait_shows_what_is_left_until_the_node_is_empty() -> None:
+    shown: list[str] = []
+    marks = Marks(drain(2), drain(2), drain(1), drain(0))
+    done = await wait_until_empty(marks, "n1", 10.0, shown.append,  # type: ignore[arg-type]
+                                  poll_s=0.0)
+    assert done.tasks == 0
+    assert shown == ["n1: waiting for 2 task(s) to finish or move ...",
+                     "n1: waiting for 1 task(s) to finish or move ..."]
+
+
+async def test_drain_wait_gives_up_after_its_timeout_or_when_uncordoned() -> None:
+    with pytest.raises(M27Error, match="still has 1 task"):
+        await wait_until_empty(Marks(drain(1)), "n1", 0.0, None,  # type: ignore[arg-type]
+                               poll_s=0.0)
+    with pytest.raises(M27Error, match="put back in service"):
+        await wait_until_empty(Marks(drain(1), drain(1, state="")), "n1", 10.0,
+                               None, poll_s=0.0)  # type: ignore[arg-type]
