@@ -90,6 +90,6 @@ async def test_drain_wait_gives_up_after_its_timeout_or_when_uncordoned() -> Non
     with pytest.raises(M27Error, match="still has 1 task"):
         await wait_until_empty(Marks(drain(1)), "n1", 0.0, None,  # type: ignore[arg-type]
                                poll_s=0.0)
+    uncordoned = Marks(drain(1), drain(1, state=""))
     with pytest.raises(M27Error, match="put back in service"):
-        await wait_until_empty(Marks(drain(1), drain(1, state="")), "n1", 10.0,
-                               None, poll_s=0.0)  # type: ignore[arg-type]
+        await wait_until_empty(uncordoned, "n1", 10.0, None, poll_s=0.0)  # type: ignore[arg-type]
