@@ -15,16 +15,22 @@ Workload parameters: `m27.sim.LabParams` (docs/simulator.md). All GPUs are simul
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import platform
 import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
-from m27.sim import LabParams, SimConfig, generate_lab, make_policy, simulate, summarize
+from m27.sim import (
+    LabParams,
+    SimConfig,
+    generate_lab,
+    make_policy,
+    policy_version,
+    simulate,
+    summarize,
+)
 
 POLICIES = ("m27", "by-hand", "fifo", "slurm")
 CLUSTERS = {"1 GPU": (1, 1), "16 GPUs": (2, 8)}
@@ -156,17 +162,6 @@ def sweep_table(rows: list[Row], field: str, values: tuple[float, ...]) -> str:
             lines.append(f"| {cluster} | {policy} | busy%/goodput%/tasks | "
                          + " | ".join(cells) + " |")
     return "\n".join(lines)
-
-
-def policy_version() -> str:
-    """A fingerprint of the m27 policy measured: sha256 of the scheduler package's sources."""
-    import m27.scheduler as package
-
-    root = Path(package.__file__).parent
-    digest = hashlib.sha256()
-    for path in sorted(root.glob("*.py")):
-        digest.update(path.name.encode() + b"\0" + path.read_bytes())
-    return digest.hexdigest()[:12]
 
 
 def main() -> None:

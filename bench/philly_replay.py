@@ -17,7 +17,6 @@ priorities or GPU shares: every job is whole-GPU, normal urgency, preemptible. S
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import random
 import statistics
@@ -27,20 +26,18 @@ from pathlib import Path
 
 import msgspec
 
-from m27.sim import SimConfig, Trace, make_nodes, make_policy, read_philly, simulate, summarize
+from m27.sim import (
+    SimConfig,
+    Trace,
+    make_nodes,
+    make_policy,
+    policy_version,
+    read_philly,
+    simulate,
+    summarize,
+)
 
 CHECKPOINT_S = 600.0
-
-
-def policy_version() -> str:
-    """A fingerprint of the m27 policy measured: sha256 of the scheduler package's sources."""
-    import m27.scheduler as package
-
-    root = Path(package.__file__).parent
-    digest = hashlib.sha256()
-    for path in sorted(root.glob("*.py")):
-        digest.update(path.name.encode() + b"\0" + path.read_bytes())
-    return digest.hexdigest()[:12]
 
 
 def sampled(path: Path, args: argparse.Namespace, seed: int) -> Trace:

@@ -22,10 +22,10 @@ from m27.client import Client
 from m27.client.checkpoints import CheckpointClient
 from m27.common import events, subjects
 from m27.common.bus import Bus
-from m27.common.model import RunRecord, StepRecord
+from m27.common.model import StepRecord
 from m27.embedded.nats_server import pid_alive
 from m27.embedded.processes import ServiceProcess, wait_ready
-from tests.support import Cluster, TcpProxy
+from tests.support import Cluster, TcpProxy, finished_run
 
 pytestmark = pytest.mark.integration
 
@@ -96,16 +96,6 @@ async def running_on(client: Client, run_id: str, timeout: float = 30.0) -> Step
     raise AssertionError(f"step never ran: {await client.get_run(run_id)}")
 
 
-async def finished(client: Client, run_id: str, timeout: float = 60.0) -> RunRecord:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        run = await client.get_run(run_id)
-        if run.state in {"succeeded", "failed", "cancelled"}:
-            return run
-        await asyncio.sleep(0.1)
-    raise AssertionError(f"run did not finish: {await client.get_run(run_id)}")
-
-
 async def wait_ticks(work: Path, count: int, timeout: float = 20.0) -> None:
     deadline = time.monotonic() + timeout
     log = work / "alive.log"
@@ -138,7 +128,7 @@ async def test_a_killed_agents_step_runs_again_elsewhere_from_its_checkpoint(
     await wait_ticks(work, 10)
     killed_at = time.time()
     os.kill(first.pid, signal.SIGKILL)
-    run = await finished(client, run_id)
+    run = await finished_run(client, run_id)
     assert run.state == "succeeded", system.logs()
     step = run.steps[0]
     assert (step.attempt, step.node_id) == (2, "b")
@@ -162,7 +152,7 @@ async def test_a_cut_off_node_fences_itself_before_its_work_restarts_elsewhere(
         await wait_ticks(work, 10)
         proxy.cut()
         cut_at = time.time()
-        run = await finished(client, run_id)
+        run = await finished_run(client, run_id)
         assert run.state == "succeeded", system.logs()
         first_end, _ = spans(work)["1"][1], None
         assert first_end - cut_at < 4.5  # fenced by its own lease (3 s), not by luck
@@ -199,7 +189,7 @@ async def test_a_frozen_agents_stale_attempt_is_killed_and_its_writes_refused(
         fresh = await stale.put_bytes(task, b"from the replacement", attempt=2, name="ok")
         assert fresh.attempt == 2
     os.kill(frozen.pid, signal.SIGCONT)
-    run = await finished(client, run_id)
+    run = await finished_run(client, run_id)
     assert run.state == "succeeded", system.logs()
     assert run.steps[0].attempt == 2
     assert_never_overlapped(work)
@@ -226,7 +216,7 @@ async def test_a_two_second_stall_is_not_a_failure(system: Cluster, client: Clie
         os.kill(paused.pid, signal.SIGSTOP)
         await asyncio.sleep(2.0)
         os.kill(paused.pid, signal.SIGCONT)
-        run = await finished(client, run_id)
+        run = await finished_run(client, run_id)
         assert run.state == "succeeded"
         assert run.steps[0].attempt == 1
         assert lost == []

@@ -13,7 +13,7 @@ import pytest
 
 from m27.client import Client, ClientError, PipelineRejected, RunEvent
 from m27.common.model import RunRecord
-from tests.support import Cluster
+from tests.support import Cluster, finished_run
 
 pytestmark = pytest.mark.integration
 
@@ -22,16 +22,6 @@ pytestmark = pytest.mark.integration
 async def client(cluster: Cluster) -> AsyncIterator[Client]:
     async with Client(cluster.api) as connected:
         yield connected
-
-
-async def finished(client: Client, run_id: str, timeout: float = 60.0) -> RunRecord:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        run = await client.get_run(run_id)
-        if run.state in {"succeeded", "failed", "cancelled"}:
-            return run
-        await asyncio.sleep(0.1)
-    raise AssertionError(f"{run_id} did not finish: {await client.get_run(run_id)}")
 
 
 def step(run: RunRecord, name: str) -> object:
@@ -48,7 +38,7 @@ async def test_a_failing_step_is_retried_after_its_backoff_and_then_succeeds(
     retries: {failure: 2, backoff: {initial: 1s}}
   - {name: after, command: "true", depends_on: [flaky]}
 """
-    run = await finished(client, await client.submit(text, workdir=str(tmp_path)))
+    run = await finished_run(client, await client.submit(text, workdir=str(tmp_path)))
     assert run.state == "succeeded"
     flaky = run.step("flaky")
     assert flaky is not None
@@ -66,7 +56,7 @@ async def test_timeouts_and_missing_outputs_fail_the_step(client: Client,
   - {name: lazy, command: "true", outputs: [result.csv]}
 """
     began = time.monotonic()
-    run = await finished(client, await client.submit(text, workdir=str(tmp_path)))
+    run = await finished_run(client, await client.submit(text, workdir=str(tmp_path)))
     assert time.monotonic() - began < 30
     slow, lazy = run.step("slow"), run.step("lazy")
     assert slow is not None
@@ -114,9 +104,9 @@ REUSABLE = """pipeline:
 async def test_identical_steps_reuse_earlier_results_until_an_input_changes(
         client: Client, tmp_path: Path) -> None:
     (tmp_path / "input.txt").write_text("v1")
-    first = await finished(client, await client.submit(REUSABLE, workdir=str(tmp_path)))
+    first = await finished_run(client, await client.submit(REUSABLE, workdir=str(tmp_path)))
     assert first.state == "succeeded"
-    second = await finished(client, await client.submit(REUSABLE, workdir=str(tmp_path)))
+    second = await finished_run(client, await client.submit(REUSABLE, workdir=str(tmp_path)))
     assert second.state == "succeeded"
     assert [s.cached_from for s in second.steps] == [f"{first.run_id}/prep",
                                                      f"{first.run_id}/train"]
@@ -128,10 +118,10 @@ async def test_identical_steps_reuse_earlier_results_until_an_input_changes(
     assert plan.steps[1].start_after_s == plan.steps[0].estimated_s
     assert "earlier run" in plan.estimate_basis
     (tmp_path / "input.txt").write_text("v2")
-    third = await finished(client, await client.submit(REUSABLE, workdir=str(tmp_path)))
+    third = await finished_run(client, await client.submit(REUSABLE, workdir=str(tmp_path)))
     assert [s.cached_from for s in third.steps] == ["", ""]
     assert (tmp_path / "model.txt").read_text() == "v2"
-    fourth = await finished(client, await client.submit(REUSABLE, workdir=str(tmp_path),
+    fourth = await finished_run(client, await client.submit(REUSABLE, workdir=str(tmp_path),
                                                         no_cache=True))
     assert [s.cached_from for s in fourth.steps] == ["", ""]
     assert (tmp_path / "prep.log").read_text() == "ran\n" * 3
@@ -144,9 +134,9 @@ async def test_retry_run_reruns_only_what_did_not_succeed(client: Client,
   - {name: needs_flag, command: "echo ran >> flag.log; test -f flag", depends_on: [good]}
   - {name: last, command: "true", depends_on: [needs_flag]}
 """
-    run = await finished(client, await client.submit(text, workdir=str(tmp_path)))
+    run = await finished_run(client, await client.submit(text, workdir=str(tmp_path)))
     assert run.state == "failed"
-    done = await finished(client, await client.submit(
+    done = await finished_run(client, await client.submit(
         "pipeline:\n  - {name: a, command: 'true'}\n", workdir=str(tmp_path)))
     with pytest.raises(ClientError, match="succeeded: every step has its results"):
         await client.retry(done.run_id)
@@ -154,7 +144,7 @@ async def test_retry_run_reruns_only_what_did_not_succeed(client: Client,
     state, steps = await client.retry(run.run_id)
     assert steps == ["needs_flag", "last"]
     assert state == "running"
-    again = await finished(client, run.run_id)
+    again = await finished_run(client, run.run_id)
     assert again.state == "succeeded"
     assert (tmp_path / "good.log").read_text() == "ran\n"
     assert (tmp_path / "flag.log").read_text() == "ran\nran\n"
@@ -176,7 +166,7 @@ async def test_cancelling_one_step_lets_the_others_finish(client: Client,
         assert time.monotonic() < deadline
         await asyncio.sleep(0.05)
     await client.cancel(run_id, "not needed", step="long")
-    run = await finished(client, run_id)
+    run = await finished_run(client, run_id)
     assert {s.name: s.state for s in run.steps} == {
         "long": "cancelled", "after_long": "skipped", "other": "succeeded"}
     assert run.state == "cancelled"
@@ -190,7 +180,7 @@ async def test_run_history_filters_and_pages(client: Client, tmp_path: Path) -> 
     mine = [await client.submit(ok, user="hist-ada", workdir=str(tmp_path)) for _ in range(3)]
     mine.append(await client.submit(bad, user="hist-ada", workdir=str(tmp_path)))
     for run_id in mine:
-        await finished(client, run_id)
+        await finished_run(client, run_id)
     runs, _ = await client.list_runs(100, user="hist-ada")
     assert [r.run_id for r in runs] == sorted(mine, reverse=True)
     failed, _ = await client.list_runs(100, user="hist-ada", states=["failed"])

@@ -8,13 +8,36 @@ from m27.sim._errors import SimError, TraceError
 from m27.sim._generator import LabParams, generate_lab
 from m27.sim._metrics import JobOutcome, Metrics, RawRun, Sample, format_table, summarize
 from m27.sim._plots import jct_cdf_svg, utilization_svg
-from m27.sim._policies import POLICY_HELP, POLICY_NAMES, m27_policy, make_policy
+from m27.sim._policies import POLICY_HELP, POLICY_NAMES, m27_policy, make_policy, policy_version
 from m27.sim._traces import read_jsonl, read_openb, read_philly, read_trace, write_jsonl
 from m27.sim._workload import SimJob, Trace, make_nodes
 
 __all__ = [
-    "POLICY_HELP", "POLICY_NAMES", "JobOutcome", "LabParams", "Metrics", "RawRun", "Sample",
-    "SimConfig", "SimError", "SimJob", "Trace", "TraceError", "format_table", "generate_lab",
-    "jct_cdf_svg", "m27_policy", "make_nodes", "make_policy", "read_jsonl", "read_openb",
-    "read_philly", "read_trace", "simulate", "summarize", "utilization_svg", "write_jsonl",
+    "POLICY_HELP",
+    "POLICY_NAMES",
+    "JobOutcome",
+    "LabParams",
+    "Metrics",
+    "RawRun",
+    "Sample",
+    "SimConfig",
+    "SimError",
+    "SimJob",
+    "Trace",
+    "TraceError",
+    "format_table",
+    "generate_lab",
+    "jct_cdf_svg",
+    "m27_policy",
+    "make_nodes",
+    "make_policy",
+    "policy_version",
+    "read_jsonl",
+    "read_openb",
+    "read_philly",
+    "read_trace",
+    "simulate",
+    "summarize",
+    "utilization_svg",
+    "write_jsonl",
 ]

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import functools
+import hashlib
 import importlib
 import math
+from pathlib import Path
 from typing import Final
 
 from m27.scheduler.model import Policy, PolicySettings
@@ -61,3 +63,14 @@ def make_policy(name: str, trace: Trace, *, settings: PolicySettings | None = No
     if name == "tiresias":
         return tiresias()
     raise SimError(f"unknown policy {name!r}: choose one of {', '.join(POLICY_NAMES)}")
+
+
+def policy_version() -> str:
+    """A fingerprint of the m27 policy a benchmark measured: sha256 of the scheduler
+    package's sources as imported (benchmarks print it beside their figures)."""
+    package = importlib.import_module("m27.scheduler")
+    assert package.__file__ is not None
+    digest = hashlib.sha256()
+    for path in sorted(Path(package.__file__).parent.glob("*.py")):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:12]
