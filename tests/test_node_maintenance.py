@@ -25,6 +25,7 @@ from tests.scheduling_support import (
     m27_cli,
     queue,
     start_agent,
+    step_of,
     wait_step,
 )
 from tests.support import Cluster, finished_run, lines, wait_for
@@ -95,8 +96,10 @@ async def test_cordon_drain_and_uncordon_move_work_between_nodes(
     # `--wait` returns once md has checkpointed and left: the moment a maintenance command
     # (a GPU reset) can run.
     waited = ok(m27_cli(system, "node", "drain", "node-1", "--wait", "--timeout", "50"))
-    assert "node-1: waiting for 1 task(s) to finish or move" in waited, waited
     assert "node-1: draining; empty: a maintenance command can run now" in waited, waited
+    # (It says "waiting for 1 task(s) …" first unless md left before its first look.)
+    moved = await step_of(client, movable, "md")
+    assert (moved.state, moved.attempt) == ("retrying", 2), "drain --wait returned too early"
     ok(m27_cli(system, "node", "uncordon", "node-2"))
     run = await finished_run(client, movable)
     assert run.state == "succeeded", system.logs()

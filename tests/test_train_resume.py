@@ -68,6 +68,7 @@ def train(out: Path, steps: int) -> None:
     ckpt = Checkpointer(model=model, optimizer=optimizer, scheduler=scheduler, sampler=sampler,
                         extras=extras, every_steps=2, store=out / "store", signal=False)
     cursor = ckpt.resume() or Cursor()
+    slow_after = int(os.environ.get("M27_TEST_SLOW_AFTER") or 0)
     print(f"resumed {cursor.step}", flush=True)
     durable = cursor.step
     while cursor.step < steps:
@@ -87,7 +88,9 @@ def train(out: Path, steps: int) -> None:
                 durable = ckpt.latest.step
                 print(f"durable {durable}", flush=True)
             import time
-            time.sleep(0.01)  # a realistic cadence: checkpoints persist across steps
+            # a realistic cadence: checkpoints persist across steps; slower from the step
+            # the test signals at, so a loaded machine cannot finish the run first
+            time.sleep(0.2 if slow_after and cursor.step >= slow_after else 0.01)
             if cursor.step >= steps:
                 break
         if cursor.batch >= len(loader.batch_sampler):  # type: ignore[arg-type]
@@ -105,7 +108,8 @@ def run(out: Path, kill_at: int | None = None, how: signal.Signals = signal.SIGK
     """Run the program; send it `how` once it reports step `kill_at` or later and some
     checkpoint exists (on a loaded machine the first one may not be durable by then).
     (Whether it finished, the step it resumed from.)"""
-    env = {**os.environ, "PYTHONPATH": str(WORKER.parent.parent)}
+    env = {**os.environ, "PYTHONPATH": str(WORKER.parent.parent),
+           "M27_TEST_SLOW_AFTER": str(kill_at if how == signal.SIGTERM else 0)}
     proc = subprocess.Popen([sys.executable, str(WORKER), str(out), str(STEPS)],
                             stdout=subprocess.PIPE, text=True, env=env)
     assert proc.stdout is not None

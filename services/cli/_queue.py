@@ -101,7 +101,7 @@ def score_line(explanation: Mapping[str, Any]) -> str | None:
 
 def _other_lines(explanation: Mapping[str, Any]) -> list[str]:
     skip = {"score", "task_id", "reason"}
-    notes = {"staged_on": " (ready pool: recorded only, no data staging yet)"}
+    notes = {"staged_on": " (ready pool: the node chosen for it)"}
     return [f"{key}: {value}{notes.get(key, '')}" for key, value in explanation.items()
             if key not in skip and value not in (None, "", [], {})]
 
@@ -116,7 +116,9 @@ def render_queue(items: Sequence[QueueItem], now: float, explain: bool) -> list[
         where = item.reason if item.state == "waiting" else item.node_id + (
             f" (backfill into {item.lender})" if item.lender else "")
         if item.state == "waiting" and item.staged_on:
-            where += f" [ready pool: {item.staged_on}, no data staging yet]"
+            where += f" [ready pool: inputs staged on {item.staged_on}]"
+        elif item.state == "waiting" and item.staging_on:
+            where += f" [ready pool: staging inputs on {item.staging_on}]"
         score = f"{item.score:.1f}" if item.explanation is not None else "—"
         waited = format_duration(max(0.0, now - item.queued_at))
         lines.append(f"{n:>3}  {item.task_id:<{width}}  {item.state:<8}  {item.urgency:<7}  "

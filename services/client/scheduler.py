@@ -52,7 +52,8 @@ class QueueItem(msgspec.Struct, frozen=True, kw_only=True):
     score: float
     tier: str
     lender: str = ""
-    staged_on: str = ""
+    staged_on: str = ""  # ready pool: inputs read ahead on this node
+    staging_on: str = ""  # ready pool: being read ahead on this node
     explanation: dict[str, Any] | None = None
 
 
@@ -69,6 +70,7 @@ def _item(message: pb.QueueEntry) -> QueueItem:
         gpus=message.gpus, cpus=message.cpus, state=message.state, node_id=message.node_id,
         queued_at=message.queued_at, reason=message.reason, score=message.score,
         tier=message.tier, lender=message.lender, staged_on=message.staged_on,
+        staging_on=message.staging_on,
         explanation=explanation)
 
 

@@ -71,6 +71,9 @@ class SchedulerSection(msgspec.Struct, frozen=True, kw_only=True):
     backfill: bool = True
     ready_pool: Annotated[int, msgspec.Meta(ge=0, le=1000)] = 2
     max_pause: Duration = 600.0  # a paused preemptible backfill is preempted after this
+    # Least-attained-service among peers: a task that has held less than this many
+    # GPU-hours may preempt a preemptible peer that has held more. 0: off.
+    peer_yield_gpu_hours: Annotated[float, msgspec.Meta(ge=0.0)] = 4.0
 
 
 class PerformanceSection(msgspec.Struct, frozen=True, kw_only=True):

@@ -152,6 +152,23 @@ class TaskBusy(_Message, frozen=True, tag="task_busy"):
     utilization_pct: float
 
 
+class TaskStaged(_Message, frozen=True, tag="task_staged"):
+    """Ready pool: a waiting task's inputs are in the page cache of this node, so it starts
+    there without waiting on cold storage. `missing` are inputs that did not exist (yet)."""
+
+    task_id: str
+    run_id: str
+    step: str
+    attempt: int
+    node_id: str
+    files: int
+    bytes: int
+    seconds: float
+    missing: tuple[str, ...] = ()
+    #: Files left out: over the node's staging limit, or not regular files (FIFOs, devices).
+    skipped: int = 0
+
+
 class TaskOverShare(_Message, frozen=True, tag="task_over_share"):
     """A task uses more GPU memory than its share; `action` says what the agent did."""
 
@@ -257,6 +274,7 @@ Event = (
     | TaskExited
     | TaskIdle
     | TaskBusy
+    | TaskStaged
     | TaskOverShare
     | CheckpointCommitted
     | CheckpointCorrupt
@@ -293,6 +311,9 @@ class EnqueueTask(_Message, frozen=True, tag="enqueue_task"):
     preemptible: bool = False
     not_before: float = 0.0  # a retry's backoff: not to be started before this time
     checkpoint_signal: str = "SIGUSR1"
+    #: Absolute paths the step reads (its `inputs:` and its dependencies' `outputs:`): what
+    #: the ready pool stages onto the node the task will most likely start on.
+    inputs: tuple[str, ...] = ()
     #: A preempted task's requeue keeps its place: when it first entered the queue (0: now)
     #: and the GPU-seconds its earlier attempts held (aging, "long holders yield").
     queued_at: float = 0.0
@@ -365,8 +386,20 @@ class ResumeTask(_Message, frozen=True, tag="resume_task"):
     reason: str = ""
 
 
+class StageTask(_Message, frozen=True, tag="stage_task"):
+    """Ready pool: read this waiting task's inputs into the node's page cache (the agent
+    answers with `task_staged`)."""
+
+    task_id: str
+    run_id: str
+    step: str
+    attempt: int
+    inputs: tuple[str, ...]
+    reason: str = ""
+
+
 SchedulerCommand = EnqueueTask | CancelTask
-NodeCommand = StartTask | StopTask | CheckpointTask | PauseTask | ResumeTask
+NodeCommand = StartTask | StopTask | CheckpointTask | PauseTask | ResumeTask | StageTask
 Command = SchedulerCommand | NodeCommand
 Message = Event | Command
 

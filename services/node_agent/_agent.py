@@ -41,6 +41,7 @@ from m27.node_agent._metrics import MetricsServer
 from m27.node_agent._node_api import SERVICE_NAME as NODE_SERVICE
 from m27.node_agent._node_api import NodeServicer, nothing_running, running_check
 from m27.node_agent._runner import FileCheckpoints, TaskRunner
+from m27.node_agent._staging import stage_inputs
 from m27.node_agent._tasks import NodeContext
 from m27.node_agent._telemetry import Telemetry, TelemetrySettings
 
@@ -93,6 +94,7 @@ class NodeAgent:
         self._heartbeat_task: asyncio.Task[None] | None = None
         self._fence_task: asyncio.Task[None] | None = None
         self._consumer_task: asyncio.Task[None] | None = None
+        self._staging: set[asyncio.Task[None]] = set()
         self._guard: subprocess.Popen[bytes] | None = None
         self.fenced = False
 
@@ -256,6 +258,28 @@ class NodeAgent:
                 self.runner.pause(command.task_id, command.attempt, command.reason)
             case events.ResumeTask():
                 self.runner.resume(command.task_id, command.attempt, command.reason)
+            case events.StageTask():
+                staging = asyncio.create_task(self._stage(command))
+                self._staging.add(staging)
+                staging.add_done_callback(self._staging.discard)
+
+    async def _stage(self, command: events.StageTask) -> None:
+        """Ready pool: read the waiting task's inputs ahead, then say so (`task_staged`)."""
+        staged = await asyncio.to_thread(stage_inputs, command.inputs)
+        log.info("task.staged", task_id=command.task_id, attempt=command.attempt,
+                 files=staged.files, bytes=staged.bytes, seconds=round(staged.seconds, 3),
+                 missing=len(staged.missing), skipped=staged.skipped)
+        try:
+            await self._publish(
+                subjects.task_events(command.run_id, command.step), events.TaskStaged(
+                    at=self._clock(), task_id=command.task_id, run_id=command.run_id,
+                    step=command.step, attempt=command.attempt, node_id=self._node_id,
+                    files=staged.files, bytes=staged.bytes, seconds=staged.seconds,
+                    missing=staged.missing[:20], skipped=staged.skipped),
+                f"{command.task_id}:{command.attempt}:staged:{self._node_id}")
+        except (TimeoutError, nats.errors.Error) as exc:  # the scheduler stages again later
+            log.warning("task.staged_unreported", task_id=command.task_id,
+                        error=str(exc) or type(exc).__name__)
 
     # ------------------------------------------------------------ shutdown
 

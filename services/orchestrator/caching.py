@@ -30,7 +30,7 @@ from m27.common import subjects
 from m27.common.bus import Bus
 from m27.common.logging import get_logger
 from m27.common.model import RunRecord, StepRecord
-from m27.orchestrator.runs import CacheHit, step_workdir
+from m27.orchestrator.runs import CacheHit, absolute, step_workdir
 
 log = get_logger()
 
@@ -53,13 +53,6 @@ class CacheEntry(msgspec.Struct, frozen=True, kw_only=True):
 
 class NotCacheable(Exception):
     """Why a step cannot be reused (it then runs); shown in the plan."""
-
-
-def absolute(run: RunRecord, step: StepRecord, path: str) -> str:
-    """A declared path as the step sees it, made absolute."""
-    if os.path.isabs(path):
-        return path
-    return os.path.normpath(os.path.join(step_workdir(run, step), path))
 
 
 def cacheable(run: RunRecord, step: StepRecord) -> str:

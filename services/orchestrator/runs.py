@@ -14,6 +14,7 @@ skipped end a step that will not run.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Mapping
 from pathlib import PurePosixPath
 from typing import Final
@@ -163,6 +164,24 @@ def step_workdir(run: RunRecord, step: StepRecord) -> str:
     return str(PurePosixPath(run.workdir) / step.workdir)
 
 
+def absolute(run: RunRecord, step: StepRecord, path: str) -> str:
+    """A declared path as the step sees it, made absolute."""
+    if os.path.isabs(path):
+        return path
+    return os.path.normpath(os.path.join(step_workdir(run, step), path))
+
+
+def paths_read(run: RunRecord, step: StepRecord) -> tuple[str, ...]:
+    """What the step reads: its `inputs:` and the `outputs:` of the steps it depends on
+    (the ready pool stages them), each once, absolute."""
+    paths = [absolute(run, step, p) for p in step.inputs]
+    for name in step.depends_on:
+        dep = run.step(name)
+        if dep is not None:
+            paths += [absolute(run, dep, p) for p in dep.outputs]
+    return tuple(dict.fromkeys(paths))
+
+
 def _enqueue(run: RunRecord, step: StepRecord, now: float,
              not_before: float = 0.0) -> events.EnqueueTask:
     return events.EnqueueTask(
@@ -172,7 +191,7 @@ def _enqueue(run: RunRecord, step: StepRecord, now: float,
         workdir=step_workdir(run, step), env=dict(step.env),
         checkpoint_interval_s=step.checkpoint_interval_s, timeout_s=step.timeout_s,
         outputs=step.outputs, preemptible=step.preemptible, not_before=not_before,
-        checkpoint_signal=step.checkpoint_signal)
+        checkpoint_signal=step.checkpoint_signal, inputs=paths_read(run, step))
 
 
 def resolve_cache(stored: StoredRun, name: str, key: str, hit: CacheHit | None,

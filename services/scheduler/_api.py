@@ -59,6 +59,7 @@ def entry_to_proto(entry: TaskEntry, explanation: policy.Explanation | None) -> 
         node_id=placement.node_id if placement else "", queued_at=entry.queued_at,
         reason=entry.wait_reason if placement is None else entry.stopping,
         lender=placement.lender if placement else "", staged_on=entry.staged_on,
+        staging_on=entry.staging_on,
         tier=tier_of(task))
     if explanation is not None:
         message.score = explanation.score.total

@@ -63,7 +63,7 @@ class Effects:
             case Pause() | Resume():
                 await self.signal(decision, now)
             case Stage():
-                await self.stage(decision)
+                await self.stage(decision, now)
             case Wait():
                 await self.wait(decision)
 
@@ -177,15 +177,28 @@ class Effects:
 
     # ------------------------------------------------------------ stage, wait
 
-    async def stage(self, decision: Stage) -> None:
-        """The ready pool's choice is recorded (shown by `m27 queue`); no data is copied
-        yet: this release has no data staging."""
+    async def stage(self, decision: Stage, now: float) -> None:
+        """Ready pool: the chosen node's agent reads the task's inputs ahead and answers
+        `task_staged`, which sets `staged_on` (the policy then prefers that node). A task
+        that reads nothing is staged at once."""
         entry = self.table.current(decision.task_id)
-        if entry is None or entry.placement is not None or entry.staged_on == decision.node_id:
+        if (entry is None or entry.placement is not None
+                or decision.node_id in (entry.staged_on, entry.staging_on)):
             return
-        await self.table.store(msgspec.structs.replace(entry, staged_on=decision.node_id))
-        log.info("task.stage_recorded", task_id=decision.task_id, node_id=decision.node_id,
-                 reason=decision.reason, staging="none (not implemented: recorded only)")
+        task = entry.task
+        if not task.inputs:
+            await self.table.store(msgspec.structs.replace(
+                entry, staged_on=decision.node_id, staging_on=""))
+            log.info("task.staged", task_id=task.task_id, node_id=decision.node_id,
+                     files=0, note="it declares no inputs: nothing to read ahead")
+            return
+        await self.bus.publish(subjects.node_commands(decision.node_id), events.StageTask(
+            at=now, task_id=task.task_id, run_id=task.run_id, step=task.step,
+            attempt=task.attempt, inputs=task.inputs, reason=decision.reason),
+            msg_id=f"{task.task_id}:{task.attempt}:stage:{decision.node_id}")
+        await self.table.store(msgspec.structs.replace(entry, staging_on=decision.node_id))
+        log.info("task.stage_sent", task_id=task.task_id, node_id=decision.node_id,
+                 inputs=len(task.inputs), reason=decision.reason)
 
     async def wait(self, decision: Wait) -> None:
         entry = self.table.current(decision.task_id)

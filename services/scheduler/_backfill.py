@@ -2,12 +2,13 @@
 
 When the node-agent reports a running task's GPU idle (`Running.idle`), a ready-pool or
 background task that fits inside that share (milli and GPU memory, plus the node's CPU and
-host memory) starts in it: `Place(lender=...)`. The backfill holds no GPU capacity of its
-own while its lender runs. When the lender is busy again the backfill is paused
-(SIGSTOP: it keeps its progress and memory, gives back compute) and resumed when the lender
-goes idle again. A preemptible backfill paused longer than `max_pause_s` is preempted
-(checkpoint-then-stop, requeued) so it stops holding GPU memory. If the lender finished, a
-paused backfill resumes and from then on holds its own share.
+host memory) starts in it: `Place(lender=...)`; several may, up to the lender's share. A
+backfill holds no GPU capacity of its own while its lender runs. When the lender is busy
+again the backfill is paused (SIGSTOP: it keeps its progress and memory, gives back
+compute) and resumed when the lender goes idle again. A preemptible backfill paused longer
+than `max_pause_s` is preempted (checkpoint-then-stop, requeued) so it stops holding GPU
+memory. If the lender finished, a paused backfill resumes and from then on holds its own
+share.
 """
 
 from __future__ import annotations
@@ -25,12 +26,20 @@ from m27.scheduler.model import (
 )
 
 
-def lenders(running: Sequence[Running]) -> dict[str, Running]:
-    """Running tasks whose share is idle and not lent yet, by task id."""
-    lent = {r.lender for r in running if r.lender}
-    return {r.job.task_id: r for r in running
-            if r.idle and not r.lender and not r.stopping and not r.paused
-            and r.job.task_id not in lent and r.gpu_ids and r.gpu_milli > 0}
+def lenders(running: Sequence[Running]) -> dict[str, tuple[Running, int]]:
+    """Running tasks whose share is idle, by task id, with the milli-GPU of it not lent yet
+    (several backfills may share one lender, up to its share)."""
+    lent: dict[str, int] = {}
+    for r in running:
+        if r.lender:
+            lent[r.lender] = lent.get(r.lender, 0) + r.gpu_milli
+    out: dict[str, tuple[Running, int]] = {}
+    for r in running:
+        free = r.gpu_milli - lent.get(r.job.task_id, 0)
+        if (r.idle and not r.lender and not r.stopping and not r.paused and r.gpu_ids
+                and free > 0):
+            out[r.job.task_id] = (r, free)
+    return out
 
 
 def manage(running: Sequence[Running], now: float,
@@ -38,15 +47,15 @@ def manage(running: Sequence[Running], now: float,
     """Pause, resume or preempt existing backfills as their lenders change state."""
     by_id = {r.job.task_id: r for r in running}
     decisions: list[Decision] = []
-    for r in sorted((r for r in running if r.lender and not r.stopping),
+    for r in sorted((r for r in running if (r.lender or r.paused) and not r.stopping),
                     key=lambda r: r.job.task_id):
-        lender = by_id.get(r.lender)
+        lender = by_id.get(r.lender) if r.lender else None
         job = r.job
         if lender is None or lender.stopping:
-            if r.paused:
+            if r.paused:  # a paused task nobody lends to any more holds its own share
                 decisions.append(Resume(task_id=job.task_id, attempt=job.attempt,
-                                        reason=f"lender {r.lender} ended: the share is "
-                                        "free, resume"))
+                                        reason=f"lender {r.lender or '(gone)'} ended: the "
+                                        "share is free, resume"))
         elif lender.idle and r.paused:
             decisions.append(Resume(task_id=job.task_id, attempt=job.attempt,
                                     reason=f"lender {r.lender} is idle again (I/O wait)"))
@@ -63,14 +72,15 @@ def manage(running: Sequence[Running], now: float,
     return decisions
 
 
-def find_lender(packer: Packer, req: Request, idle: dict[str, Running]) -> Running | None:
+def find_lender(packer: Packer, req: Request,
+                idle: dict[str, tuple[Running, int]]) -> Running | None:
     """The idle share `req` fits in most tightly (then by task id), or None."""
     if req.gpus != 1:
         return None
     options: list[tuple[int, str, Running]] = []
-    for task_id, lender in idle.items():
+    for task_id, (lender, free) in idle.items():
         node = packer.index.get(lender.node_id, -1)
-        if node < 0 or not packer.node_ok[node] or lender.gpu_milli < req.milli:
+        if node < 0 or not packer.node_ok[node] or free < req.milli:
             continue
         if packer.cpu[node] < req.cpu_milli or packer.mem[node] < req.memory_mb:
             continue
@@ -81,5 +91,15 @@ def find_lender(packer: Packer, req: Request, idle: dict[str, Running]) -> Runni
             continue
         if packer.gmem_free[node, col] + 1e-6 < packer.gpu_memory(req, node, col):
             continue
-        options.append((lender.gpu_milli - req.milli, task_id, lender))
+        options.append((free - req.milli, task_id, lender))
     return min(options, key=lambda o: (o[0], o[1]))[2] if options else None
+
+
+def lend(idle: dict[str, tuple[Running, int]], lender: Running, milli: int) -> None:
+    """`milli` of `lender`'s idle share is lent now; what is left stays offered."""
+    task_id = lender.job.task_id
+    free = idle[task_id][1] - milli
+    if free > 0:
+        idle[task_id] = (lender, free)
+    else:
+        del idle[task_id]

@@ -19,8 +19,8 @@ from typing import Literal
 import msgspec
 
 from m27.scheduler import _backfill, _preemption
-from m27.scheduler._packing import Choice, Packer, Request, request_of, typical_demand
-from m27.scheduler._priority import Score, order, running_score
+from m27.scheduler._packing import Choice, Packer, Request, m27_demand, request_of
+from m27.scheduler._priority import Score, attempt_gpu_s, order, running_score
 from m27.scheduler._reasons import stage_node, wait_reason
 from m27.scheduler.model import (
     MILLI_PER_GPU,
@@ -78,8 +78,8 @@ def build_packer(state: ClusterState, queue: Sequence[Queued],
     tie = [0] * len(nodes)
     for position, i in enumerate(rank):
         tie[i] = position
-    demand = typical_demand([request_of(q.job) for q in queue]
-                            + [request_of(r.job) for r in state.running])
+    demand = m27_demand([request_of(q.job) for q in queue]
+                        + [request_of(r.job) for r in state.running])
     packer = Packer(nodes, demand, overprovision=settings.memory_overprovision,
                     max_temperature_c=settings.max_temperature_c, tie_rank=tie)
     alive = {r.job.task_id for r in state.running}
@@ -102,9 +102,11 @@ def _victims(state: ClusterState, now: float, settings: PolicySettings,
              spoken_for: set[str]) -> list[_preemption.Victim]:
     """Running tasks a higher task may preempt (scores as of now)."""
     pool = []
+    alive = {r.job.task_id for r in state.running}
     for r in state.running:
         background = r.job.tier == "background"
-        if r.stopping or r.lender or r.job.task_id in spoken_for:
+        lent = bool(r.lender) and r.lender in alive  # holds no share of its own
+        if r.stopping or lent or r.job.task_id in spoken_for:
             continue
         if not (r.job.preemptible or background):
             continue
@@ -114,7 +116,8 @@ def _victims(state: ClusterState, now: float, settings: PolicySettings,
         pool.append(_preemption.Victim(
             running=r, score=float("-inf") if background else score.total,
             base=float("-inf") if background else score.urgency + score.level,
-            lost_gpu_s=_preemption.lost_work(r, now)))
+            lost_gpu_s=_preemption.lost_work(r, now),
+            served_gpu_s=r.attained_gpu_s + attempt_gpu_s(r, now)))
     return pool
 
 
@@ -210,8 +213,10 @@ def _place(cycle: _Cycle, queued: Queued, req: Request, choice: Choice,
 
 
 def _preempt(cycle: _Cycle, queued: Queued, req: Request, score: Score) -> bool:
-    plan = _preemption.plan(cycle.packer, req, score.total, cycle.victims, cycle.stopping,
-                            task_base=score.urgency + score.level)
+    asker = _preemption.Asker(score=score.total, base=score.urgency + score.level,
+                              served_gpu_s=queued.attained_gpu_s,
+                              peer_yield_gpu_s=cycle.settings.peer_yield_gpu_h * 3600.0)
+    plan = _preemption.plan(cycle.packer, req, asker, cycle.victims, cycle.stopping)
     if plan is None:
         return False
     job = queued.job
@@ -261,7 +266,7 @@ def _backfill_into(cycle: _Cycle, queued: Queued, req: Request) -> bool:
     lender = _backfill.find_lender(cycle.packer, req, cycle.idle)
     if lender is None:
         return False
-    del cycle.idle[lender.job.task_id]
+    _backfill.lend(cycle.idle, lender, req.milli)
     packer = cycle.packer
     node = packer.index[lender.node_id]
     col = packer.col_of(node, lender.gpu_ids[0])

@@ -14,7 +14,8 @@ m27 keeps FGD's objective and decides what FGD leaves to chance (docs/scheduling
   the request fills most tightly (a gang or CPU task: the node it leaves least idle), then
   the cooler, less loaded GPU, then a fixed node order;
 - its typical shapes cover 95 % of the requested GPU *milli* (FGD: of the request count),
-  so rare but large requests are among them.
+  so rare but large requests are among them; the rarer shapes still count for the
+  scarce-capability rule (weight 0: they do not move the expected fragmentation).
 
 The packer keeps per-node fragmentation rows and recomputes only the row of the node a
 placement changed; per-node best scores are cached per request and only nodes changed
@@ -36,6 +37,8 @@ Strategy = Literal["m27", "fgd", "bestfit"]
 #: A typical shape that fewer nodes than this can still host is a scarce capability: m27
 #: avoids taking it away when an equally good place would not.
 SCARCE_HOSTS = 20
+#: At most this many request shapes are tracked (each costs a column per node).
+MAX_SHAPES = 256
 F64 = npt.NDArray[np.float64]
 I64 = npt.NDArray[np.int64]
 B = npt.NDArray[np.bool_]
@@ -89,6 +92,18 @@ def typical_demand(requests: Sequence[Request], coverage: float = 0.95,
         if covered >= coverage:
             break
     return shapes
+
+
+def m27_demand(requests: Sequence[Request], coverage: float = 0.95,
+               max_shapes: int = MAX_SHAPES) -> list[tuple[Request, float]]:
+    """m27's shapes: the typical ones weighted as FGD weighs them, then every rarer shape
+    with weight 0 (up to `max_shapes` in all). A weightless shape does not move the
+    expected fragmentation, but the scarce-capability rule keeps room for it: the rare
+    8-GPU, 120-core requests only a few nodes can host are not left without one."""
+    typical = typical_demand(requests, coverage)
+    known = {shape for shape, _ in typical}
+    rare = [(shape, 0.0) for shape, _ in typical_demand(requests, 1.0) if shape not in known]
+    return (typical + rare)[:max(max_shapes, len(typical))]
 
 
 class Choice(msgspec.Struct, frozen=True, kw_only=True):
@@ -167,8 +182,9 @@ class Packer:
     # -- fragmentation bookkeeping ------------------------------------------------------
 
     def _set_demand(self, demand: Sequence[tuple[Request, float]]) -> None:
-        shapes = [(r, w) for r, w in demand if r.gpus > 0 and w > 0] or [
-            (Request(gpus=1, milli=MILLI_PER_GPU), 1.0)]
+        shapes = [(r, w) for r, w in demand if r.gpus > 0 and w >= 0]
+        if not any(w > 0 for _, w in shapes):
+            shapes = [(Request(gpus=1, milli=MILLI_PER_GPU), 1.0)]
         weight = np.array([w for _, w in shapes], np.float64)
         self.s_w = weight / weight.sum()
         self.s_k = np.array([r.gpus for r, _ in shapes], np.int64)

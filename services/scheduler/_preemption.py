@@ -3,7 +3,9 @@
 A victim must be preemptible (or in the background tier), of a strictly lower class than the
 task it makes room for (urgency weight + user level weight: aging and the held term order
 the queue but give no right to stop a peer, or equal tasks would take turns preempting each
-other) and strictly lower in score (background victims are both: they only take leftovers), older
+other) — unless it is a peer that has held `peer_yield_gpu_h` GPU-hours and the task has
+held less (least-attained-service, one way only, so peers never take turns) — and strictly
+lower in score (background victims are both: they only take leftovers), older
 than `min_runtime_s` (background is exempt: it must never delay immediate work), and not a
 backfill (that holds no capacity of its own). Tasks already `stopping` count as still
 holding their capacity, but as free victims: a task that fits once they are gone waits for
@@ -30,6 +32,26 @@ class Victim(msgspec.Struct, frozen=True, kw_only=True):
     score: float
     lost_gpu_s: float  # work lost if stopped now
     base: float = float("-inf")  # its class: urgency weight + user level weight
+    served_gpu_s: float = float("inf")  # GPU-seconds held, all attempts: peer yield
+
+
+class Asker(msgspec.Struct, frozen=True, kw_only=True):
+    """The task preemption would make room for."""
+
+    score: float
+    base: float = float("inf")  # its class
+    served_gpu_s: float = 0.0
+    peer_yield_gpu_s: float = 0.0  # 0: peers never yield
+
+    def may_stop(self, victim: Victim) -> bool:
+        """Strictly lower in score, and of a lower class or a peer that has held its
+        share (least-attained-service among peers, never the other way round)."""
+        if not victim.score < self.score:
+            return False
+        if victim.base < self.base:
+            return True
+        return (self.peer_yield_gpu_s > 0 and victim.base <= self.base
+                and self.served_gpu_s < self.peer_yield_gpu_s <= victim.served_gpu_s)
 
 
 class Plan(msgspec.Struct, frozen=True, kw_only=True):
@@ -75,8 +97,8 @@ def _fits(packer: Packer, node: int, req: Request, freed: Sequence[Running]) -> 
     return int(mask.sum()) >= req.gpus
 
 
-def plan(packer: Packer, req: Request, task_score: float, victims: Sequence[Victim],
-         stopping: Sequence[Running], task_base: float = float("inf")) -> Plan | None:
+def plan(packer: Packer, req: Request, asker: Asker, victims: Sequence[Victim],
+         stopping: Sequence[Running]) -> Plan | None:
     """The cheapest way to make room for `req`, or None when no victim set is enough."""
     best: tuple[tuple[float, float, int, int], Plan] | None = None
     touched = {v.running.node_id for v in victims} | {s.node_id for s in stopping}
@@ -86,7 +108,7 @@ def plan(packer: Packer, req: Request, task_score: float, victims: Sequence[Vict
             continue
         held = [s for s in stopping if s.node_id == node_id]
         mine = sorted((v for v in victims if v.running.node_id == node_id
-                       and v.score < task_score and v.base < task_base),
+                       and asker.may_stop(v)),
                       key=lambda v: (v.lost_gpu_s, v.score, v.running.job.task_id))
         chosen = _greedy(packer, node, req, mine, held)
         if chosen is None:

@@ -5,7 +5,8 @@
             - held_per_gpu_hour * GPU-hours already held (attained_gpu_s / 3600)
 
 Aging makes every waiting task climb, so nothing starves; the held term makes long holders
-yield to newcomers of the same class. docs/scheduling.md has the worked formula.
+yield to newcomers of the same class. A running task's aging stops when it starts.
+docs/scheduling.md has the worked formula.
 """
 
 from __future__ import annotations
@@ -44,11 +45,18 @@ def queued_score(queued: Queued, now: float, settings: PolicySettings) -> Score:
     return score(queued.job, queued.queued_at, queued.attained_gpu_s, now, settings)
 
 
-def running_score(running: Running, now: float, settings: PolicySettings) -> Score:
-    """A running task's score counts the GPU time of this attempt as held, too."""
-    attempt_s = max(0.0, now - running.started_at) * running.gpu_milli * len(
+def attempt_gpu_s(running: Running, now: float) -> float:
+    """GPU-seconds this attempt has held so far."""
+    return max(0.0, now - running.started_at) * running.gpu_milli * len(
         running.gpu_ids) / 1000.0
-    return score(running.job, running.queued_at, running.attained_gpu_s + attempt_s, now,
+
+
+def running_score(running: Running, now: float, settings: PolicySettings) -> Score:
+    """A running task's score counts the GPU time of this attempt as held, too, and its
+    aging stops when it starts: it waits no longer (so long holders do yield)."""
+    waited_until = min(now, max(running.started_at, running.queued_at))
+    return score(running.job, running.queued_at,
+                 running.attained_gpu_s + attempt_gpu_s(running, now), waited_until,
                  settings)
 
 

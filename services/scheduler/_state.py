@@ -65,7 +65,8 @@ class TaskEntry(msgspec.Struct, frozen=True, kw_only=True):
     paused_at: float | None = None
     signals: int = 0  # pause/resume commands sent: each gets its own message id
     stopping: str = ""  # the reason of the stop already sent (preemption, drain)
-    staged_on: str = ""  # the ready pool's choice (recorded only: no data staging yet)
+    staging_on: str = ""  # ready pool: StageTask sent to this node, no task_staged yet
+    staged_on: str = ""  # ready pool: its inputs are read ahead on this node (task_staged)
     last_checkpoint_at: float | None = None  # this attempt's latest checkpoint_committed
 
 
@@ -121,7 +122,7 @@ def _settings(config: Config) -> PolicySettings:
         max_temperature_c=section.max_temperature, min_runtime_s=section.min_runtime,
         preempt_grace_s=section.preempt_grace, preemption=section.preemption,
         backfill=section.backfill, ready_pool=section.ready_pool,
-        max_pause_s=section.max_pause)
+        max_pause_s=section.max_pause, peer_yield_gpu_h=section.peer_yield_gpu_hours)
 
 
 # ---------------------------------------------------------------- policy input
@@ -190,7 +191,7 @@ def queue_of(entries: Iterable[TaskEntry], now: float) -> list[Queued]:
     """Unplaced tasks past their retry backoff, oldest first."""
     waiting = [e for e in entries if e.placement is None and e.task.not_before <= now]
     return [Queued(job=job_of(e.task), queued_at=e.queued_at,
-                   attained_gpu_s=e.attained_gpu_s)
+                   attained_gpu_s=e.attained_gpu_s, staged_on=e.staged_on)
             for e in sorted(waiting, key=lambda e: (e.queued_at, e.task.task_id))]
 
 

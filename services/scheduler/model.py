@@ -120,6 +120,10 @@ class PolicySettings(msgspec.Struct, frozen=True, kw_only=True):
     #: A paused preemptible backfill is preempted (checkpoint-then-stop) after this long,
     #: so it stops holding GPU memory its lender may need.
     max_pause_s: float = 600.0
+    #: Least-attained-service among peers (as Tiresias): a task that has held less than
+    #: this many GPU-hours may preempt a preemptible task of its own class that has held at
+    #: least that many, if its score is higher. 0: only lower classes are preempted.
+    peer_yield_gpu_h: float = 4.0
 
 
 class Place(msgspec.Struct, frozen=True, kw_only=True, tag="place"):

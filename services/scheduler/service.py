@@ -189,14 +189,15 @@ class Scheduler:
     async def on_task_event(self, msg: Msg) -> None:
         event = bus_module.decode_or_poison(msg.data, events.decode_event)
         if not isinstance(event, events.TaskStarted | events.TaskExited | events.TaskIdle
-                          | events.TaskBusy | events.CheckpointCommitted):
+                          | events.TaskBusy | events.CheckpointCommitted
+                          | events.TaskStaged):
             return
         async with self.lock:
             await self._handle_task_event(event)
 
     async def _handle_task_event(self, event: events.TaskStarted | events.TaskExited
                                  | events.TaskIdle | events.TaskBusy
-                                 | events.CheckpointCommitted) -> None:
+                                 | events.CheckpointCommitted | events.TaskStaged) -> None:
         entry = self.table.current(event.task_id, event.attempt)
         if entry is None:
             return
@@ -215,6 +216,14 @@ class Scheduler:
                 if entry.last_checkpoint_at is None or event.at > entry.last_checkpoint_at:
                     await self.table.store(msgspec.structs.replace(
                         entry, last_checkpoint_at=event.at))
+            case events.TaskStaged():
+                if entry.placement is None and entry.staging_on == event.node_id:
+                    await self.table.store(msgspec.structs.replace(
+                        entry, staged_on=event.node_id, staging_on=""))
+                    log.info("task.staged", task_id=event.task_id, node_id=event.node_id,
+                             files=event.files, bytes=event.bytes,
+                             seconds=round(event.seconds, 3), missing=list(event.missing))
+                    self.wake.set()
             case events.TaskIdle() | events.TaskBusy():
                 idle = isinstance(event, events.TaskIdle)
                 if entry.idle != idle:

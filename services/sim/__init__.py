@@ -10,7 +10,7 @@ from m27.sim._metrics import JobOutcome, Metrics, RawRun, Sample, format_table, 
 from m27.sim._plots import jct_cdf_svg, utilization_svg
 from m27.sim._policies import POLICY_HELP, POLICY_NAMES, m27_policy, make_policy, policy_version
 from m27.sim._traces import read_jsonl, read_openb, read_philly, read_trace, write_jsonl
-from m27.sim._workload import SimJob, Trace, make_nodes
+from m27.sim._workload import SimJob, Trace, demand_bound, make_nodes
 
 __all__ = [
     "POLICY_HELP",
@@ -25,6 +25,7 @@ __all__ = [
     "SimJob",
     "Trace",
     "TraceError",
+    "demand_bound",
     "format_table",
     "generate_lab",
     "jct_cdf_svg",

@@ -4,13 +4,13 @@ People submit four kinds of work on working days, by day (09:00–18:00) and by 
 (18:00–23:00, some of it queued by a script), plus a backlog of background work that is
 there from the start:
 
-| kind       | GPU            | compute at solo speed | I/O phases                         |
-|------------|----------------|-----------------------|------------------------------------|
-| md         | 1 GPU          | 3–8 h                 | trajectory write after each 10 min |
-| train      | 1 GPU or 0.5   | 1–4 h                 | data-loading stall after each 2 min|
-| analysis   | 0.2–0.3 GPU    | 10–40 min             | none                               |
-| cpu        | none, 2 cores  | 15–60 min             | none                               |
-| background | 0.5 or 1 GPU   | 0.5–2 h, preemptible  | none; checkpoints every 5 min      |
+| kind       | GPU (memory)          | compute at solo speed | I/O phases                          |
+|------------|-----------------------|-----------------------|-------------------------------------|
+| md         | 1 GPU (2 GiB)         | 3–8 h                 | trajectory write after each 10 min  |
+| train      | 1 GPU or 0.5 (share)  | 1–4 h                 | data-loading stall after each 2 min |
+| analysis   | 0.2–0.3 GPU (share)   | 10–40 min             | none                                |
+| cpu        | none, 2 cores         | 15–60 min             | none                                |
+| background | 0.5 or 1 GPU (4 GiB)  | 0.5–2 h, preemptible  | none; checkpoints every 5 min       |
 
 An I/O phase lasts so that `io_share` of an MD or training run's wall time is I/O. Counts
 are Poisson with the given means per GPU per day; durations uniform in the ranges. All of
@@ -44,12 +44,16 @@ class LabParams(msgspec.Struct, frozen=True, kw_only=True):
     night_share: float = 0.35  # of submissions made 18:00–23:00 rather than 09:00–18:00
     script_share: float = 0.5  # of night submissions that a script queues
     io_share: float = 0.2  # of an MD or training run's wall time spent in I/O
-    backlog_gpu_h_per_gpu: float = 48.0  # background work queued at time 0
+    #: Background work queued at time 0, GPU-hours per GPU. The default is the run's
+    #: length: a standing queue of sweeps, so the GPUs never run dry within 72 h.
+    backlog_gpu_h_per_gpu: float = 72.0
     high_share: float = 0.1  # of submissions marked urgency "high"
     #: GPU memory asked for (0: the share's proportion of the GPU's memory). What an idle
-    #: holder leaves free is what backfill can use: a lender keeps its memory.
-    md_gpu_memory_mb: int = 0
-    background_gpu_memory_mb: int = 0
+    #: holder leaves free is what backfill can use: a lender keeps its memory. An MD engine
+    #: holds a few GiB whatever the GPU (GROMACS: 1–2 GiB for a typical system); a sweep
+    #: point is a small model. Training and analysis hold their share's proportion.
+    md_gpu_memory_mb: int = 2048
+    background_gpu_memory_mb: int = 4096
 
 
 def _poisson(rng: random.Random, mean: float) -> int:

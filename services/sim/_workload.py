@@ -10,7 +10,7 @@ from typing import Final
 
 import msgspec
 
-from m27.scheduler.model import Gpu, Job, Node
+from m27.scheduler.model import MILLI_PER_GPU, Gpu, Job, Node
 
 DAY_S: Final = 86_400.0
 
@@ -56,6 +56,20 @@ def make_nodes(count: int, gpus_per_node: int, *, gpu_memory_mb: int = 16_384,
 
 def gpu_count(nodes: tuple[Node, ...]) -> int:
     return sum(len(n.gpus) for n in nodes)
+
+
+def demand_bound(trace: Trace, horizon_s: float) -> float:
+    """The work submitted before `horizon_s`, at solo speed, / the cluster's GPU time over
+    it (at most 1): no policy's busy GPU time or goodput can exceed it."""
+    if horizon_s <= 0 or not trace.nodes:
+        return 0.0
+    work = 0.0
+    for sim in trace.jobs:
+        milli = sim.job.gpu_milli
+        if sim.submit_s < horizon_s and milli > 0:
+            work += sim.duration_s * (min(milli, MILLI_PER_GPU) / MILLI_PER_GPU
+                                      * max(1, milli // MILLI_PER_GPU))
+    return min(1.0, work / (gpu_count(trace.nodes) * horizon_s))
 
 
 def is_night(submit_s: float, clock0_s: float) -> bool:

@@ -158,6 +158,7 @@ class QueueEntry(_message.Message):
     LENDER_FIELD_NUMBER: _builtins.int
     STAGED_ON_FIELD_NUMBER: _builtins.int
     TIER_FIELD_NUMBER: _builtins.int
+    STAGING_ON_FIELD_NUMBER: _builtins.int
     task_id: _builtins.str
     run_id: _builtins.str
     step: _builtins.str
@@ -178,8 +179,10 @@ class QueueEntry(_message.Message):
     lender: _builtins.str
     """A backfill: the running task whose idle GPU capacity it uses."""
     staged_on: _builtins.str
-    """The ready pool's chosen node (recorded only: no data staging in this release)."""
+    """Ready pool: the node whose agent has read this waiting task's inputs ahead."""
     tier: _builtins.str
+    staging_on: _builtins.str
+    """Ready pool: the node asked to read its inputs ahead, not done yet."""
     def __init__(
         self,
         *,
@@ -200,10 +203,11 @@ class QueueEntry(_message.Message):
         lender: _builtins.str = ...,
         staged_on: _builtins.str = ...,
         tier: _builtins.str = ...,
+        staging_on: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "cpus", b"cpus", "explanation_json", b"explanation_json", "gpus", b"gpus", "lender", b"lender", "node_id", b"node_id", "queued_at", b"queued_at", "reason", b"reason", "run_id", b"run_id", "score", b"score", "staged_on", b"staged_on", "state", b"state", "step", b"step", "task_id", b"task_id", "tier", b"tier", "urgency", b"urgency", "user", b"user"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "cpus", b"cpus", "explanation_json", b"explanation_json", "gpus", b"gpus", "lender", b"lender", "node_id", b"node_id", "queued_at", b"queued_at", "reason", b"reason", "run_id", b"run_id", "score", b"score", "staged_on", b"staged_on", "staging_on", b"staging_on", "state", b"state", "step", b"step", "task_id", b"task_id", "tier", b"tier", "urgency", b"urgency", "user", b"user"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -38,11 +38,18 @@ def test_explain_breaks_the_score_down_and_says_why_it_waits() -> None:
     assert "1h00m" in lines[1]
     assert lines[2].strip() == ("score 165.0 = urgency 100 + level 40 + aging 25 − held 0 "
                                 "(user level pi)")
-    assert "staged_on: n1 (ready pool: recorded only, no data staging yet)" in lines[4]
+    assert "staged_on: n1 (ready pool: the node chosen for it)" in lines[4]
     assert lines[-1].split()[1:3] == ["r/a", "running"]
     assert lines[-1].endswith("n2 (backfill into r/m)")
     assert score_line({"action": "wait"}) is None
     assert render_queue([], 0.0, False) == ["the queue is empty: nothing waits or runs"]
+
+
+def test_the_ready_pool_shows_where_inputs_are_being_or_have_been_staged() -> None:
+    staging, staged = render_queue([item(staging_on="n1"), item(task_id="r/c", staged_on="n2")],
+                                   now=200.0, explain=False)[1:]
+    assert staging.endswith("[ready pool: staging inputs on n1]")
+    assert staged.endswith("[ready pool: inputs staged on n2]")
 
 
 def test_maintenance_says_whether_the_node_is_empty() -> None:

@@ -346,3 +346,19 @@ def test_cache_lookup_decides_between_reuse_and_running() -> None:
     stored, sent = flush(missed)
     assert [m.step for m in sent if isinstance(m, events.EnqueueTask)] == ["b"]
     assert runs.resolve_cache(stored, "b", "k2", None, 103) is None
+
+
+def test_a_step_is_enqueued_with_what_it_reads_for_the_ready_pool() -> None:
+    """Its `inputs:` and its dependencies' outputs, absolute, each once: what the ready pool
+    has the agent read ahead."""
+    text = """\
+pipeline:
+  - {name: prep, type: cpu, command: "echo", outputs: [shards/, /abs/vocab.txt]}
+  - {name: train, type: gpu, command: "echo", depends_on: [prep], workdir: sub,
+     inputs: [config.yaml, /abs/vocab.txt, ../shards/]}
+"""
+    stored, _ = flush(start(text))
+    stored, _ = flush(started(stored, "prep", 101))
+    _, sent = flush(exited(stored, "prep", 0, 102))
+    (train,) = [m for m in sent if isinstance(m, events.EnqueueTask)]
+    assert train.inputs == ("/w/sub/config.yaml", "/abs/vocab.txt", "/w/shards")

@@ -10,6 +10,7 @@ import pytest
 
 from m27.scheduler.model import (
     Pause,
+    Place,
     PolicySettings,
     Preempt,
     Resume,
@@ -163,6 +164,27 @@ def test_preemption_rules(victim_kw: dict[str, Any], task_urgency: str, task_at:
         assert waits(decisions)["t"] == "waiting for 1 preempted task(s) to checkpoint on n1"
 
 
+@pytest.mark.parametrize(("started_h", "queued_h", "task_held_h", "peer_yield_h", "preempts"), [
+    (3.0, 3.0, 0.0, 1.0, True),  # held 3 GPU-h, the newcomer none: the long holder yields
+    (3.0, 3.0, 2.0, 1.0, False),  # the newcomer has had its share too: peers never take turns
+    (3.0, 3.0, 0.0, 0.0, False),  # peer yield off: only lower classes are preempted
+    (0.5, 0.5, 0.0, 1.0, False),  # the victim has held only 0.5 GPU-h
+    (3.0, 10.0, 0.0, 1.0, False),  # it waited 7 h before starting: its score is higher
+])
+def test_a_peer_that_has_held_its_share_yields_to_a_newcomer(
+        started_h: float, queued_h: float, task_held_h: float, peer_yield_h: float,
+        preempts: bool) -> None:
+    """Least-attained-service among equals (Tiresias's two queues): a running task's aging
+    stops when it starts, so its score falls as it holds GPUs; a newcomer that has held
+    less than `peer_yield_gpu_h` may preempt a preemptible peer that has held more."""
+    victim = running("v", "n1", (0,), 1000, started=NOW - started_h * HOUR,
+                     queued_at=NOW - queued_h * HOUR, preemptible=True)
+    task = queued("t", 1000, at=NOW - 600, attained=task_held_h * HOUR)
+    settings = PolicySettings(peer_yield_gpu_h=peer_yield_h)
+    decisions = decide(state(node("n1", 1), running=(victim,)), [task], NOW, settings)
+    assert (preempted(decisions) == ["v"]) is preempts
+
+
 def test_victims_lose_the_least_work_then_are_fewest() -> None:
     common: dict[str, Any] = {"preemptible": True, "urgency": "low", "started": NOW - 5000}
     cluster = state(node("n1", 1), node("n2", 1), node("n3", 2), running=(
@@ -277,6 +299,42 @@ def test_backfill_follows_its_lender(lender_idle: bool, paused: bool,
                 preemptible=True, tier="background")))
     kinds = [type(d) for d in decide(cluster, [], NOW) if d.task_id == "bf"]
     assert kinds == ([expect] if expect else [])
+
+
+@pytest.mark.parametrize("lender", ["", "gone"])
+def test_a_paused_backfill_whose_lender_ended_resumes(lender: str) -> None:
+    """The lender finished while its backfill was paused: the backfill now holds that share
+    and must run, whether the shell still names the lender (the service) or has cleared
+    the name (the simulator). Otherwise it sits paused on its GPU for ever."""
+    cluster = state(node("n1", 1), running=(
+        running("bf", "n1", (0,), 1000, lender=lender, paused=True, paused_at=NOW - 50,
+                preemptible=True, tier="background"),))
+    assert [type(d) for d in decide(cluster, [], NOW) if d.task_id == "bf"] == [Resume]
+
+
+def test_a_backfill_whose_lender_ended_can_be_preempted() -> None:
+    cluster = state(node("n1", 1), running=(
+        running("bf", "n1", (0,), 1000, lender="gone", started=NOW - 1000,
+                preemptible=True, tier="background"),))
+    assert preempted(decide(cluster, [queued("t", 1000, at=NOW - 10)], NOW)) == ["bf"]
+
+
+def test_one_idle_share_takes_several_backfills_up_to_its_size() -> None:
+    cluster = state(node("n1", 1), running=(
+        running("main", "n1", (0,), 1000, idle=True, gpu_memory_mb=2048),))
+    queue = [queued(f"bg{i}", 400, at=float(i), tier="background", gpu_memory_mb=2048)
+             for i in range(3)]
+    decisions = decide(cluster, queue, NOW)
+    lent = {d.task_id: d.lender for d in decisions if isinstance(d, Place)}
+    assert lent == {"bg0": "main", "bg1": "main"}  # 0.4 + 0.4 of 1.0; a third won't fit
+    assert "bg2" in waits(decisions)
+    already = state(node("n1", 1), running=(
+        running("main", "n1", (0,), 1000, idle=True, gpu_memory_mb=2048),
+        running("bg0", "n1", (0,), 400, lender="main", gpu_memory_mb=2048,
+                tier="background")))
+    more = decide(already, [queued("bg1", 700, tier="background", gpu_memory_mb=2048),
+                            queued("bg2", 600, tier="background", gpu_memory_mb=2048)], NOW)
+    assert {d.task_id: d.lender for d in more if isinstance(d, Place)} == {"bg2": "main"}
 
 
 # -- 6. maintenance --------------------------------------------------------------------

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from m27.scheduler._priority import order, running_score
+from m27.scheduler._priority import attempt_gpu_s, order, running_score
 from m27.scheduler.model import (
     ClusterState,
     Node,
@@ -43,11 +43,13 @@ def clusters(draw: st.DrawFn) -> tuple[ClusterState, list[Queued], PolicySetting
     queue = [queued(f"q{i}", draw(MILLI), at=draw(st.floats(0, 5000)), urgency=draw(URGENCY),
                     gpu_memory_mb=draw(st.sampled_from([0, 0, 4096, 12288])),
                     tier=draw(st.sampled_from(["immediate", "immediate", "background"])),
-                    cpu_milli=draw(st.sampled_from([0, 1000, 3000])))
+                    cpu_milli=draw(st.sampled_from([0, 1000, 3000])),
+                    attained=draw(st.sampled_from([0.0, 0.0, 1800.0, 7200.0])))
              for i in range(draw(st.integers(0, 12)))]
     overprovision = draw(st.sampled_from([1.0, 1.5]))
     return (ClusterState(nodes=tuple(nodes), running=tuple(run)), queue,
-            PolicySettings(memory_overprovision=overprovision))
+            PolicySettings(memory_overprovision=overprovision,
+                           peer_yield_gpu_h=draw(st.sampled_from([0.0, 0.25, 1.0]))))
 
 
 def _gpu_mem(node: Node, gpu: int, milli: int, asked: int) -> float:
@@ -120,6 +122,8 @@ def test_preemption_never_picks_a_victim_of_higher_or_equal_score(
     now = 6000.0
     scores = {q.job.task_id: s.total for q, s in order(queue, now, config)}
     classes = {q.job.task_id: s.urgency + s.level for q, s in order(queue, now, config)}
+    served = {q.job.task_id: q.attained_gpu_s for q in queue}
+    peer_yield_s = config.peer_yield_gpu_h * 3600.0
     run = {r.job.task_id: r for r in cluster.running}
     for d in decide(cluster, queue, now, config):
         if isinstance(d, Preempt) and d.for_task:
@@ -129,7 +133,11 @@ def test_preemption_never_picks_a_victim_of_higher_or_equal_score(
             if victim.job.tier != "background":
                 victim_score = running_score(victim, now, config)
                 assert victim_score.total < scores[d.for_task]
-                assert victim_score.urgency + victim_score.level < classes[d.for_task]
+                victim_class = victim_score.urgency + victim_score.level
+                assert victim_class <= classes[d.for_task]
+                if victim_class == classes[d.for_task]:  # a peer: least attained service
+                    victim_served = victim.attained_gpu_s + attempt_gpu_s(victim, now)
+                    assert served[d.for_task] < peer_yield_s <= victim_served
                 assert now - victim.started_at >= config.min_runtime_s
 
 

@@ -98,14 +98,15 @@ def test_the_scheduler_section_becomes_the_policy_settings() -> None:
     section = SchedulerSection(urgency_weights="low:1, normal:2,high:3,urgent:9",
                                user_levels="ada:pi,bob:staff", level_weights="pi:50",
                                min_runtime=30.0, preempt_grace=5.0, backfill=False,
-                               ready_pool=0, max_pause=7.0, max_temperature=70.0)
+                               ready_pool=0, max_pause=7.0, max_temperature=70.0,
+                               peer_yield_gpu_hours=0.5)
     settings = policy_settings(Config(scheduler=section))
     assert settings.urgency_weight == {"low": 1.0, "normal": 2.0, "high": 3.0, "urgent": 9.0}
     assert (settings.user_levels, settings.level_weight) == (
         {"ada": "pi", "bob": "staff"}, {"pi": 50.0})
     assert (settings.min_runtime_s, settings.preempt_grace_s, settings.backfill,
-            settings.ready_pool, settings.max_pause_s, settings.max_temperature_c) == (
-        30.0, 5.0, False, 0, 7.0, 70.0)
+            settings.ready_pool, settings.max_pause_s, settings.max_temperature_c,
+            settings.peer_yield_gpu_h) == (30.0, 5.0, False, 0, 7.0, 70.0, 0.5)
     with pytest.raises(ValueError, match="name:value"):
         parse_map("a:1,b")
     with pytest.raises(ConfigError, match="expected name:value, got 'alice'"):
@@ -184,6 +185,21 @@ async def test_each_decision_applied_twice_has_one_effect(
     assert (a.placement.gpu_milli, a.placement.lender, a.stopping) == (500, "r/main",
                                                                        "make room")
     assert (b.wait_reason, b.staged_on, b.placement) == ("needs 1 GPU", "n1", None)
+
+
+async def test_staging_a_task_that_reads_inputs_asks_the_node_once_and_waits_for_its_answer(
+        shell: tuple[FakeBus, Table, Effects]) -> None:
+    bus, table, effects = shell
+    await table.store(TaskEntry(task=task("b", inputs=("/data/a", "/data/b")), queued_at=2.0))
+    stage = Stage(task_id="r/b", node_id="n1", reason="ready pool")
+    for _ in range(2):
+        await effects.apply(stage, {}, 10.0)
+    assert bus.kinds() == ["stage_task"]
+    command = bus.published[0][1]
+    assert isinstance(command, events.StageTask)
+    assert (command.inputs, command.attempt) == (("/data/a", "/data/b"), 1)
+    entry = table.entries["r/b"]
+    assert (entry.staging_on, entry.staged_on) == ("n1", "")  # until the agent answers
 
 
 async def test_a_paused_task_is_continued_before_it_is_asked_to_checkpoint_and_stop(

@@ -11,9 +11,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from m27.scheduler.model import Job
 from m27.sim import (
     LabParams,
+    SimJob,
+    Trace,
     TraceError,
+    demand_bound,
     generate_lab,
     make_nodes,
     read_jsonl,
@@ -179,6 +183,19 @@ def test_lab_generator_is_deterministic_and_has_its_mix() -> None:
         j.by_script and not is_night(j.submit_s, 0.0) for j in a.jobs)
     backlog = sum(j.duration_s * j.job.gpu_milli / 1000 for j in a.jobs if j.kind == "background")
     assert backlog >= p.backlog_gpu_h_per_gpu * 16 * 3600
+
+
+def test_the_demand_bound_is_the_submitted_work_over_the_gpu_time() -> None:
+    node = make_nodes(1, 2)
+    jobs = (SimJob(job=Job(task_id="a", gpu_milli=500), submit_s=0.0, duration_s=3600.0),
+            SimJob(job=Job(task_id="b", gpu_milli=2000), submit_s=10.0, duration_s=1800.0),
+            SimJob(job=Job(task_id="c", cpu_milli=4000), submit_s=0.0, duration_s=9e9),
+            SimJob(job=Job(task_id="late", gpu_milli=1000), submit_s=7200.0, duration_s=1e9))
+    trace = Trace(name="t", nodes=node, jobs=jobs)
+    # 0.5 GPU-h + 2 × 0.5 GPU-h of work in 2 GPUs × 2 h; CPU work and late jobs do not count
+    assert demand_bound(trace, 7200.0) == pytest.approx(1.5 / 4)
+    assert demand_bound(trace, 7200.5) == 1.0  # capped
+    assert demand_bound(trace, 0.0) == 0.0
 
 
 @settings(max_examples=60, deadline=None)
