@@ -6,11 +6,12 @@ Point the suite at an existing server with M27_TEST_NATS_URL (its streams are sh
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import pytest
 
+from m27.client import Client
 from m27.embedded import NatsServer
 from m27.embedded.processes import ServiceProcess, launch, stop, wait_ready
 from tests.support import Cluster
@@ -73,3 +74,10 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     system.start()
     yield system
     system.stop()
+
+
+@pytest.fixture
+async def client(system: Cluster) -> AsyncIterator[Client]:
+    """A client of the module's `system` (each scheduling test module starts its own)."""
+    async with Client(system.api) as connected:
+        yield connected

@@ -11,7 +11,7 @@ paused (SIGSTOP through the agent) and it is resumed at the next I/O phase; it f
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Final
 
@@ -67,12 +67,6 @@ def system(tmp_path: Path) -> Iterator[Cluster]:
     start_agent(cluster, "node-1")
     yield cluster
     cluster.stop()
-
-
-@pytest.fixture
-async def client(system: Cluster) -> AsyncIterator[Client]:
-    async with Client(system.api) as connected:
-        yield connected
 
 
 def phases(path: Path) -> list[tuple[str, float]]:

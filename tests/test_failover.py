@@ -12,7 +12,7 @@ import itertools
 import os
 import signal
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -71,12 +71,6 @@ def work(tmp_path: Path) -> Path:
     path.mkdir()
     (path / "worker.py").write_text(WORKER)
     return path
-
-
-@pytest.fixture
-async def client(system: Cluster) -> AsyncIterator[Client]:
-    async with Client(system.api) as connected:
-        yield connected
 
 
 def start_agent(cluster: Cluster, node: str, nats_url: str | None = None) -> ServiceProcess:

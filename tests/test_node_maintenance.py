@@ -11,7 +11,7 @@ the `m27` command line.
 from __future__ import annotations
 
 import subprocess
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -46,12 +46,6 @@ def system(tmp_path: Path) -> Iterator[Cluster]:
     start_agent(cluster, "node-2")
     yield cluster
     cluster.stop()
-
-
-@pytest.fixture
-async def client(system: Cluster) -> AsyncIterator[Client]:
-    async with Client(system.api) as connected:
-        yield connected
 
 
 def ok(result: subprocess.CompletedProcess[str]) -> str:

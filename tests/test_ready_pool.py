@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Final
 
@@ -44,12 +44,6 @@ def system(tmp_path: Path) -> Iterator[Cluster]:
     start_agent(cluster, "node-1")
     yield cluster
     cluster.stop()
-
-
-@pytest.fixture
-async def client(system: Cluster) -> AsyncIterator[Client]:
-    async with Client(system.api) as connected:
-        yield connected
 
 
 async def test_a_waiting_step_has_its_inputs_staged_on_the_node_it_then_starts_on(

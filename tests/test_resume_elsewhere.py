@@ -17,7 +17,7 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -88,12 +88,6 @@ def system(tmp_path: Path) -> Iterator[Cluster]:
     cluster.start()
     yield cluster
     cluster.stop()
-
-
-@pytest.fixture
-async def client(system: Cluster) -> AsyncIterator[Client]:
-    async with Client(system.api) as connected:
-        yield connected
 
 
 def start_agent(cluster: Cluster, node: str) -> ServiceProcess:

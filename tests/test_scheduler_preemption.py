@@ -10,7 +10,7 @@ from its checkpoint and finishes without redoing or skipping a step.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -46,12 +46,6 @@ def system(tmp_path: Path) -> Iterator[Cluster]:
     start_agent(cluster, "node-1")
     yield cluster
     cluster.stop()
-
-
-@pytest.fixture
-async def client(system: Cluster) -> AsyncIterator[Client]:
-    async with Client(system.api) as connected:
-        yield connected
 
 
 async def test_an_urgent_step_preempts_a_background_one_which_resumes_from_its_checkpoint(
