@@ -265,7 +265,12 @@ class NodeAgent:
 
     async def _stage(self, command: events.StageTask) -> None:
         """Ready pool: read the waiting task's inputs ahead, then say so (`task_staged`)."""
-        staged = await asyncio.to_thread(stage_inputs, command.inputs)
+        try:
+            staged = await asyncio.to_thread(stage_inputs, command.inputs)
+        except Exception as exc:  # reading ahead is an optimisation: never a crash
+            log.warning("task.stage_failed", task_id=command.task_id,
+                        error=str(exc) or type(exc).__name__)
+            return
         log.info("task.staged", task_id=command.task_id, attempt=command.attempt,
                  files=staged.files, bytes=staged.bytes, seconds=round(staged.seconds, 3),
                  missing=len(staged.missing), skipped=staged.skipped)

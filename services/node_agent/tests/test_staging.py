@@ -46,3 +46,9 @@ def test_limits_bound_what_is_read(tmp_path: Path) -> None:
     assert (by_bytes.files, by_bytes.bytes, by_bytes.skipped) == (2, 1030, 1)
     by_count = stage_inputs(paths, max_files=1)
     assert (by_count.files, by_count.skipped) == (1, 2)
+
+
+def test_hostile_paths_are_missing_not_errors(tmp_path: Path) -> None:
+    staged = stage_inputs(["bad\0name", str(tmp_path / ("x" * 5000)), ""])
+    assert staged.files == 0
+    assert len(staged.missing) == 3
