@@ -7,7 +7,7 @@ import asyncio
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Final
 
@@ -52,6 +52,18 @@ def start_agent(cluster: Cluster, node: str, gpus: str = "sim:1") -> ServiceProc
                            "--cpu-slots", "8", "--heartbeat-interval", "1s"])
     wait_ready([proc])
     return proc
+
+
+def agent_system(tmp_path: Path, *nodes: str,
+                 env: Mapping[str, str] = FAST_POLICY) -> Iterator[Cluster]:
+    """A whole system whose node-agents (one simulated GPU each) are the named ones, for a
+    fixture to `yield from`; stopped afterwards."""
+    cluster = Cluster(tmp_path / "system", nodes=0, env=dict(env))
+    cluster.start()
+    for node in nodes:
+        start_agent(cluster, node)
+    yield cluster
+    cluster.stop()
 
 
 def scheduler_address(cluster: Cluster) -> str:

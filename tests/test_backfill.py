@@ -22,9 +22,9 @@ from m27.client.scheduler import QueueItem
 from tests.scheduling_support import (
     COUNTER,
     FAST_POLICY,
+    agent_system,
     queue,
     scheduler_log,
-    start_agent,
 )
 from tests.support import Cluster, finished_run, lines, service_log, wait_for
 
@@ -61,12 +61,7 @@ BACKFILL_PIPELINE: Final = ("priority: low\npreemptible: true\npipeline:\n"
 
 @pytest.fixture
 def system(tmp_path: Path) -> Iterator[Cluster]:
-    cluster = Cluster(tmp_path / "system", nodes=0,
-                      env={**FAST_POLICY, "M27_NODE_IDLE_SAMPLES": "2"})
-    cluster.start()
-    start_agent(cluster, "node-1")
-    yield cluster
-    cluster.stop()
+    yield from agent_system(tmp_path, "node-1", env={**FAST_POLICY, "M27_NODE_IDLE_SAMPLES": "2"})
 
 
 def phases(path: Path) -> list[tuple[str, float]]:

@@ -20,11 +20,10 @@ from m27.client import Client
 from m27.embedded.processes import stop, wait_ready
 from tests.scheduling_support import (
     COUNTER,
-    FAST_POLICY,
+    agent_system,
     counts,
     m27_cli,
     queue,
-    start_agent,
     step_of,
     wait_step,
 )
@@ -40,12 +39,7 @@ SHORT = "pipeline:\n  - {name: quick, type: gpu, command: 'sleep 0.5'}\n"
 
 @pytest.fixture
 def system(tmp_path: Path) -> Iterator[Cluster]:
-    cluster = Cluster(tmp_path / "system", nodes=0, env=FAST_POLICY)
-    cluster.start()
-    start_agent(cluster, "node-1")
-    start_agent(cluster, "node-2")
-    yield cluster
-    cluster.stop()
+    yield from agent_system(tmp_path, "node-1", "node-2")
 
 
 def ok(result: subprocess.CompletedProcess[str]) -> str:

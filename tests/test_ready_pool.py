@@ -16,7 +16,7 @@ from typing import Final
 import pytest
 
 from m27.client import Client
-from tests.scheduling_support import FAST_POLICY, m27_cli, queue, scheduler_log, start_agent
+from tests.scheduling_support import agent_system, m27_cli, queue, scheduler_log
 from tests.support import Cluster, finished_run, service_log
 
 pytestmark = pytest.mark.integration
@@ -39,11 +39,7 @@ READER: Final = ("pipeline:\n"
 
 @pytest.fixture
 def system(tmp_path: Path) -> Iterator[Cluster]:
-    cluster = Cluster(tmp_path / "system", nodes=0, env=FAST_POLICY)
-    cluster.start()
-    start_agent(cluster, "node-1")
-    yield cluster
-    cluster.stop()
+    yield from agent_system(tmp_path, "node-1")
 
 
 async def test_a_waiting_step_has_its_inputs_staged_on_the_node_it_then_starts_on(

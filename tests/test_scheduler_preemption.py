@@ -22,11 +22,10 @@ from m27.orchestrator import runs
 from m27.pipeline import load_pipeline
 from tests.scheduling_support import (
     COUNTER,
-    FAST_POLICY,
+    agent_system,
     counts,
     queue,
     scheduler_log,
-    start_agent,
     wait_step,
 )
 from tests.support import Cluster, finished_run, lines, wait_for
@@ -41,11 +40,7 @@ URGENT = ("priority: urgent\npipeline:\n"
 
 @pytest.fixture
 def system(tmp_path: Path) -> Iterator[Cluster]:
-    cluster = Cluster(tmp_path / "system", nodes=0, env=FAST_POLICY)
-    cluster.start()
-    start_agent(cluster, "node-1")
-    yield cluster
-    cluster.stop()
+    yield from agent_system(tmp_path, "node-1")
 
 
 async def test_an_urgent_step_preempts_a_background_one_which_resumes_from_its_checkpoint(
