@@ -46,8 +46,9 @@ class Cluster:
 
     def start(self) -> None:
         self.nats.start()
-        specs = [("orchestrator", "m27.orchestrator", []), ("scheduler", "m27.scheduler", []),
-                 ("checkpoint-store", "m27.checkpoint_store", []), ("report", "m27.report", [])]
+        specs: list[tuple[str, str, list[str]]] = [
+            ("orchestrator", "m27.orchestrator", []), ("scheduler", "m27.scheduler", []),
+            ("checkpoint-store", "m27.checkpoint_store", []), ("report", "m27.report", [])]
         specs += [(f"node-agent-{i}", "m27.node_agent",
                    ["--node-id", f"node-{i}", "--gpus", self.gpus,
                     "--heartbeat-interval", "1s"]) for i in range(1, self.nodes + 1)]
