@@ -21,15 +21,13 @@ from typing import Final
 import msgspec
 import zstandard
 
-from m27.cli._common import Subparsers, add, print_json
+from m27.cli._common import Subparsers, add, print_json, service_address
 from m27.client.checkpoints import RemoteStore
 from m27.common.checkpoint_api import CheckpointSummary, StorageUnavailable
 from m27.common.checkpoint_format import ChunkRef, Entry, Manifest, decode_chunk
 from m27.common.errors import M27Error
 from m27.common.paths import m27_home
 from m27.common.units import format_duration, format_size
-from m27.embedded import system
-from m27.embedded.nats_server import pid_alive
 
 STORE_ENV: Final = "M27_CHECKPOINT_STORE"
 PROCESS_NAME: Final = "checkpoint-store"
@@ -72,17 +70,8 @@ def cmd_checkpoints(args: argparse.Namespace) -> int:
 
 def store_address(explicit: str | None, environ: Mapping[str, str], home: Path) -> str:
     """--checkpoint-store, $M27_CHECKPOINT_STORE, else the embedded system's process."""
-    if explicit or environ.get(STORE_ENV):
-        return str(explicit or environ[STORE_ENV])
-    state = system.read_state(home)
-    if state is None:
-        raise M27Error(f"nothing is running under {home}: start the system with `m27 up`, "
-                       f"or pass --checkpoint-store HOST:PORT / set ${STORE_ENV}")
-    proc = next((p for p in state.processes if p.name == PROCESS_NAME), None)
-    if proc is None or not proc.grpc_address or not pid_alive(proc.pid):
-        raise M27Error("the embedded checkpoint-store is not running: run `m27 up` to "
-                       "restart it")
-    return proc.grpc_address
+    return service_address(explicit, environ, home, variable=STORE_ENV,
+                           process=PROCESS_NAME, flag="--checkpoint-store")
 
 
 @contextlib.contextmanager

@@ -7,7 +7,7 @@ import asyncio
 import json
 import os
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any, Final, TypeAlias, TypeVar
 
@@ -19,6 +19,7 @@ from m27.common.errors import M27Error
 from m27.common.paths import m27_home
 from m27.common.units import parse_duration
 from m27.embedded import system
+from m27.embedded.nats_server import pid_alive
 
 T = TypeVar("T")
 MAX_FILE_BYTES: Final = 1024 * 1024
@@ -55,6 +56,22 @@ def api_address(args: argparse.Namespace, cfg: Config) -> str:
         raise NotRunningError(f"the system is only partly running ({', '.join(down)} "
                               "stopped): run `m27 up` to restart it")
     return state.api
+
+
+def service_address(explicit: str | None, environ: Mapping[str, str], home: Path, *,
+                    variable: str, process: str, flag: str) -> str:
+    """The `flag` given, else $`variable`, else the gRPC address of the embedded system's
+    `process` — with an error that says how to start it when it is not running."""
+    if explicit or environ.get(variable):
+        return str(explicit or environ[variable])
+    state = system.read_state(home)
+    if state is None:
+        raise M27Error(f"nothing is running under {home}: start the system with `m27 up`, "
+                       f"or pass {flag} HOST:PORT / set ${variable}")
+    proc = next((p for p in state.processes if p.name == process), None)
+    if proc is None or not proc.grpc_address or not pid_alive(proc.pid):
+        raise M27Error(f"the embedded {process} is not running: run `m27 up` to restart it")
+    return proc.grpc_address
 
 
 def with_client(args: argparse.Namespace, work: Callable[[Client], Awaitable[T]]) -> T:

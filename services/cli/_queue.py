@@ -15,13 +15,11 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final, TypeVar
 
-from m27.cli._common import Subparsers, add, print_json
+from m27.cli._common import Subparsers, add, print_json, service_address
 from m27.client.scheduler import Action, NodeMaintenance, QueueItem, SchedulerClient
 from m27.common.errors import M27Error
 from m27.common.paths import m27_home
 from m27.common.units import format_duration
-from m27.embedded import system
-from m27.embedded.nats_server import pid_alive
 
 T = TypeVar("T")
 SCHEDULER_ENV: Final = "M27_SCHEDULER"
@@ -60,16 +58,8 @@ def _scheduler_option(parser: argparse.ArgumentParser) -> None:
 
 def scheduler_address(explicit: str | None, environ: Mapping[str, str], home: Path) -> str:
     """--scheduler, $M27_SCHEDULER, else the embedded system's scheduler process."""
-    if explicit or environ.get(SCHEDULER_ENV):
-        return str(explicit or environ[SCHEDULER_ENV])
-    state = system.read_state(home)
-    if state is None:
-        raise M27Error(f"nothing is running under {home}: start the system with `m27 up`, "
-                       f"or pass --scheduler HOST:PORT / set ${SCHEDULER_ENV}")
-    proc = next((p for p in state.processes if p.name == PROCESS_NAME), None)
-    if proc is None or not proc.grpc_address or not pid_alive(proc.pid):
-        raise M27Error("the embedded scheduler is not running: run `m27 up` to restart it")
-    return proc.grpc_address
+    return service_address(explicit, environ, home, variable=SCHEDULER_ENV,
+                           process=PROCESS_NAME, flag="--scheduler")
 
 
 def with_scheduler(args: argparse.Namespace,
