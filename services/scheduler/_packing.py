@@ -8,7 +8,8 @@ milli, or the wrong GPU model), otherwise the idle milli on the GPUs that are to
 s (or of the wrong model). The expectation weighs the shapes by how common they are.
 
 m27 keeps FGD's objective and decides what FGD leaves to chance (docs/scheduling.md):
-- places within `tolerance` milli of the least fragmentation growth are equally good;
+- places within a tolerance of the least fragmentation growth are equally good (100 milli
+  for a share or a CPU task, 40 for one whole GPU, none for a gang: `Tolerance`);
 - among them it keeps scarce capabilities: it avoids taking from a node the last room for
   a typical shape that few nodes can still host (a big-CPU 8-GPU node), then takes the GPU
   the request fills most tightly (a gang or CPU task: the node it leaves least idle), then
@@ -106,6 +107,27 @@ def m27_demand(requests: Sequence[Request], coverage: float = 0.95,
     return (typical + rare)[:max(max_shapes, len(typical))]
 
 
+class Tolerance(msgspec.Struct, frozen=True, kw_only=True):
+    """How far (milli) above the least fragmentation growth a place still counts as a tie,
+    by kind of request. Measured on the FGD protocol (docs/benchmarks.md): a share's
+    growth differs between places by what its leftover slice might still host, where
+    100 milli is about FGD's own quantisation; a whole GPU's or a gang's growth differs by
+    whole GPUs a typical shape can no longer use, which is real, so it is compared more
+    closely (a whole GPU) or exactly (a gang)."""
+
+    share: float = 100.0  # and CPU-only tasks
+    whole: float = 40.0  # one whole GPU
+    gang: float = 0.0  # several whole GPUs on one node
+
+    def of(self, req: Request) -> float:
+        if req.gpus > 1:
+            return self.gang
+        return self.whole if req.gpus == 1 and req.milli >= MILLI_PER_GPU else self.share
+
+
+TOLERANCE = Tolerance()
+
+
 class Choice(msgspec.Struct, frozen=True, kw_only=True):
     node: int  # index into the packer's nodes
     gpu_ids: tuple[int, ...]  # GPU indexes (Gpu.index) on that node
@@ -113,10 +135,15 @@ class Choice(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class _Entry:
-    """Cached per-node scores of one request, valid for nodes whose version matches."""
+    """Cached per-node scores of one request, valid for nodes whose version matches.
 
-    def __init__(self, version: I64, keys: F64, cols: I64, frag: F64) -> None:
+    `lost` holds which typical shapes each node could no longer host, not how much that
+    costs: the cost depends on how many nodes can still host each shape, which changes
+    with every placement anywhere, so it is priced when a choice is made."""
+
+    def __init__(self, version: I64, keys: F64, cols: I64, frag: F64, lost: B) -> None:
         self.version, self.keys, self.cols, self.frag = version, keys, cols, frag
+        self.lost = lost
 
 
 class Packer:
@@ -129,14 +156,13 @@ class Packer:
     def __init__(self, nodes: Sequence[Node], demand: Sequence[tuple[Request, float]],
                  *, overprovision: float = 1.0, max_temperature_c: float = 80.0,
                  strategy: Strategy = "m27", tie_rank: Sequence[int] | None = None,
-                 tolerance: float = 100.0) -> None:
+                 tolerance: Tolerance = TOLERANCE) -> None:
         self.nodes = tuple(nodes)
         self.index = {x.node_id: i for i, x in enumerate(self.nodes)}
         self.strategy: Strategy = strategy
-        #: m27: places within `tolerance` milli of the least fragmentation growth are
-        #: equally good; the other keys decide among them.
+        #: m27: places within `tolerance.of(request)` milli of the least fragmentation
+        #: growth are        #: equally good; the other keys decide among them.
         self.tolerance = tolerance
-        self.near = strategy == "m27" and tolerance > 0
         self.protect_scarce = strategy == "m27"
         n, g = len(self.nodes), max([len(x.gpus) for x in self.nodes] + [1])
         self.gpu_index = np.full((n, g), -1, np.int64)
@@ -229,15 +255,21 @@ class Packer:
         result: F64 = np.where(self._fits(cpu, mem, cnt), part, tot[:, None]) @ self.s_w
         return result
 
-    def _lost(self, nodes: I64, cpu: F64, mem: F64, cnt: I64) -> F64:
-        """How many typical shapes each candidate node could host before but not after:
-        m27 keeps the rare capabilities (a big-CPU 8-GPU node) for the shapes needing
-        them, even when their weight is too small to move the expected fragmentation."""
-        before = self.hosts_now[nodes]
-        rarity = 1.0 / np.maximum(self.hosts, 1)
-        lost: F64 = np.floor(((before & ~self._fits(cpu, mem, cnt)) @ rarity)
-                             * SCARCE_HOSTS)
+    def _lost_shapes(self, nodes: I64, cpu: F64, mem: F64, cnt: I64) -> B:
+        """Per candidate node and typical shape: it could host the shape before, not after."""
+        if not self.protect_scarce:
+            return np.zeros((nodes.size, self.s_k.size), np.bool_)
+        lost: B = self.hosts_now[nodes] & ~self._fits(cpu, mem, cnt)
         return lost
+
+    def _lost_cost(self, lost: B) -> F64:
+        """What losing those shapes costs: each shape counts `SCARCE_HOSTS` / (nodes that
+        can still host it), summed and rounded down, so only capabilities that few nodes
+        still have count. m27 keeps them (a big-CPU 8-GPU node) for the shapes needing
+        them, even when their weight is too small to move the expected fragmentation."""
+        rarity = SCARCE_HOSTS / np.maximum(self.hosts, 1)
+        cost: F64 = np.floor(lost @ rarity + 1e-9)
+        return cost
 
     def _refresh(self, i: int) -> None:
         fr = self._fr()[i:i + 1]
@@ -301,40 +333,47 @@ class Packer:
         `only`, on that node or nowhere. Per-node scores are cached per request and only
         the nodes changed since are scored again."""
         if only is not None:
-            keys, cols, frag = self._scores(req, np.array([only], np.int64))
-            return self._choice(req, np.array([only], np.int64), keys, cols, frag)
+            rows = np.array([only], np.int64)
+            return self._choice(req, rows, *self._scores(req, rows))
         entry = self._cache.get(req)
         if entry is None:
             if len(self._cache) >= 256:
                 self._cache.clear()
             rows = np.arange(len(self.nodes), dtype=np.int64)
-            keys, cols, frag = self._scores(req, rows)
-            entry = _Entry(self.version.copy(), keys, cols, frag)
+            entry = _Entry(self.version.copy(), *self._scores(req, rows))
             self._cache[req] = entry
         else:
             rows = np.flatnonzero(entry.version != self.version)
             if rows.size:
-                keys, cols, frag = self._scores(req, rows)
+                keys, cols, frag, lost = self._scores(req, rows)
                 entry.keys[:, rows], entry.cols[rows], entry.frag[rows] = keys, cols, frag
+                entry.lost[rows] = lost
                 entry.version[rows] = self.version[rows]
         return self._choice(req, np.arange(len(self.nodes), dtype=np.int64), entry.keys,
-                            entry.cols, entry.frag)
+                            entry.cols, entry.frag, entry.lost)
 
-    def _choice(self, req: Request, rows: I64, keys: F64, cols: I64,
-                frag: F64) -> Choice | None:
+    def _choice(self, req: Request, rows: I64, keys: F64, cols: I64, frag: F64,
+                lost: B) -> Choice | None:
         ok = np.flatnonzero(np.isfinite(keys[0]))
         if ok.size == 0:
             return None
         sort_keys = list(keys[:, ok])
-        if self.near:
-            best0 = sort_keys[0].min()
-            sort_keys[0] = np.where(sort_keys[0] <= best0 + self.tolerance, best0,
-                                    sort_keys[0])
+        best0 = sort_keys[0].min()
+        near = sort_keys[0] <= best0 + self._near(req) + 1e-6  # float noise: exact ties
+        sort_keys[0] = np.where(near, best0, sort_keys[0])
+        if self.protect_scarce:
+            # Priced now, with the current host counts (only the ties need it).
+            sort_keys[1] = np.zeros(ok.size)
+            sort_keys[1][near] = self._lost_cost(lost[ok[near]])
         order = np.lexsort((self.rank[rows[ok]], *reversed(sort_keys)))
         best = int(ok[order[0]])
         node = int(rows[best])
         gpu_ids = tuple(sorted(int(self.gpu_index[node, c]) for c in cols[best, :req.gpus]))
         return Choice(node=node, gpu_ids=gpu_ids, frag_delta=float(frag[best]))
+
+    def _near(self, req: Request) -> float:
+        """How much more growth than the best still ties (m27; exact for the others)."""
+        return self.tolerance.of(req) if self.strategy == "m27" else 0.0
 
     def place(self, req: Request) -> Choice | None:
         """choose, then take."""
@@ -353,9 +392,10 @@ class Packer:
             return key
         return delta
 
-    def _scores(self, req: Request, rows: I64) -> tuple[F64, I64, F64]:
-        """Per node in `rows`: its sort keys (first key inf: does not fit), the GPU
-        columns it would use, and its fragmentation growth."""
+    def _scores(self, req: Request, rows: I64) -> tuple[F64, I64, F64, B]:
+        """Per node in `rows`: its sort keys (first key inf: does not fit; m27's second,
+        the scarce capabilities lost, is priced in `_choice`), the GPU columns it would
+        use, its fragmentation growth and the typical shapes it could no longer host."""
         if req.gpus == 0:
             return self._scores_cpu(req, rows)
         if req.gpus == 1:
@@ -368,33 +408,35 @@ class Packer:
                      + (self.tot[rows] - req.gpus * req.milli) / self.gpu_cap[rows])
         return left
 
-    def _scores_cpu(self, req: Request, rows: I64) -> tuple[F64, I64, F64]:
+    def _scores_cpu(self, req: Request, rows: I64) -> tuple[F64, I64, F64, B]:
         fits = self.node_fits(req, rows)
         frag = np.zeros(rows.size)
+        lost = np.zeros((rows.size, self.s_k.size), np.bool_)
         if self.strategy == "bestfit":
             keys = np.stack([self._node_left(req, rows)])
         else:
             cpu, mem = self.cpu[rows] - req.cpu_milli, self.mem[rows] - req.memory_mb
             frag = self._frag(cpu, mem, self.cnt[rows], self.part[rows],
                               self.tot[rows]) - self.frag[rows]
+            lost = self._lost_shapes(rows, cpu, mem, self.cnt[rows])
             # m27: CPU work goes where it costs no capability and idle GPU capacity is
             # scarcest: it strands the least.
             keys = np.stack([self._key(frag)] + (
-                [self._lost(rows, cpu, mem, self.cnt[rows]) if self.protect_scarce
-                 else np.zeros(rows.size), self.tot[rows]]
-                if self.strategy == "m27" else []))
+                [self._lost_cost(lost), self.tot[rows]] if self.strategy == "m27" else []))
         keys[0, ~fits] = np.inf
-        return keys, np.zeros((rows.size, 1), np.int64), frag
+        return keys, np.zeros((rows.size, 1), np.int64), frag, lost
 
-    def _scores_one(self, req: Request, rows: I64) -> tuple[F64, I64, F64]:
+    def _scores_one(self, req: Request, rows: I64) -> tuple[F64, I64, F64, B]:
         ok = self.gpu_fits(req, rows)
         if ok.shape[1] > 1 and not self.varied:
             ok &= ~self._repeats(ok, rows)
         r, c = np.nonzero(ok)
         nodes = rows[r]
         left = np.maximum(self.free[nodes, c], 0) - req.milli
-        frag, lost = (np.zeros(r.size), np.zeros(r.size)) if self.strategy == "bestfit" \
-            else self._delta(nodes, [c], req)
+        frag, lost_shapes = (
+            (np.zeros(r.size), np.zeros((r.size, self.s_k.size), np.bool_))
+            if self.strategy == "bestfit" else self._delta(nodes, [c], req))
+        lost = self._lost_cost(lost_shapes)
         if self.strategy == "bestfit":
             cand = [self._node_left(req, nodes), left.astype(np.float64)]
         elif self.strategy == "fgd":
@@ -407,14 +449,15 @@ class Packer:
         keys = np.full((len(cand), rows.size), np.inf)
         cols = np.zeros((rows.size, 1), np.int64)
         best_frag = np.zeros(rows.size)
-        if r.size and self.near:
-            # GPUs within `tolerance` of the node's least growth are equally good.
+        best_lost = np.zeros((rows.size, self.s_k.size), np.bool_)
+        if r.size and self._near(req) > 0:
+            # GPUs within the tolerance of the node's least growth are equally good.
             by_frag = np.lexsort((frag, r))
             rs = r[by_frag]
             row_min = np.full(rows.size, np.inf)
             row_min[rs[np.r_[True, rs[1:] != rs[:-1]]]] = frag[
                 by_frag[np.r_[True, rs[1:] != rs[:-1]]]]
-            near = frag <= row_min[r] + self.tolerance
+            near = frag <= row_min[r] + self._near(req) + 1e-6
             cand[0] = np.where(near, row_min[r], frag)
         if r.size:
             order = np.lexsort((c, *reversed(cand), r))
@@ -424,7 +467,8 @@ class Packer:
                 keys[k, r[first]] = key[first]
             cols[r[first], 0] = c[first]
             best_frag[r[first]] = frag[first]
-        return keys, cols, best_frag
+            best_lost[r[first]] = lost_shapes[first]
+        return keys, cols, best_frag, best_lost
 
     def _repeats(self, ok: B, rows: I64) -> B:
         """GPUs equal to an earlier candidate GPU of their node (same free milli and model):
@@ -435,16 +479,17 @@ class Packer:
             repeats[:, col] = ok[:, col] & (vals[:, :col] == vals[:, col:col + 1]).any(axis=1)
         return repeats
 
-    def _scores_gang(self, req: Request, rows: I64) -> tuple[F64, I64, F64]:
+    def _scores_gang(self, req: Request, rows: I64) -> tuple[F64, I64, F64, B]:
         ok = self.gpu_fits(req, rows)
         g = ok.shape[1]
         keys_n = 1 if self.strategy != "m27" else 4
         keys = np.full((keys_n, rows.size), np.inf)
         cols = np.zeros((rows.size, max(req.gpus, 1)), np.int64)
         frag = np.zeros(rows.size)
+        lost_shapes = np.zeros((rows.size, self.s_k.size), np.bool_)
         sel = np.flatnonzero(ok.sum(axis=1) >= req.gpus)
         if sel.size == 0 or req.gpus > g:
-            return keys, cols, frag
+            return keys, cols, frag, lost_shapes
         nodes = rows[sel]
         # Within a node, the GPUs it fills most tightly, then the coolest, then by index.
         left = np.where(ok[sel], self.free[nodes] - req.milli, np.iinfo(np.int64).max)
@@ -454,19 +499,20 @@ class Packer:
         cols[sel] = chosen
         if self.strategy == "bestfit":
             keys[0, sel] = self._node_left(req, nodes)
-            return keys, cols, frag
+            return keys, cols, frag, lost_shapes
         delta, lost = self._delta(nodes, [chosen[:, j] for j in range(req.gpus)], req)
         frag[sel] = delta
+        lost_shapes[sel] = lost
         keys[0, sel] = self._key(delta)
         if self.strategy == "m27":
             # Then the fewest capabilities lost, the node the gang fills most tightly,
             # then the coolest GPUs.
-            keys[1, sel] = lost
+            keys[1, sel] = self._lost_cost(lost)
             keys[2, sel] = self.tot[nodes]
             keys[3, sel] = self.temp[nodes[:, None], chosen].mean(axis=1)
-        return keys, cols, frag
+        return keys, cols, frag, lost_shapes
 
-    def _delta(self, nodes: I64, cols: list[I64], req: Request) -> tuple[F64, F64]:
+    def _delta(self, nodes: I64, cols: list[I64], req: Request) -> tuple[F64, B]:
         """Growth of each candidate node's expected fragmentation if `req` took `cols`,
         and (m27) the typical shapes the node could no longer host."""
         cnt = self.cnt[nodes].copy()
@@ -481,9 +527,7 @@ class Packer:
         tot = self.tot[nodes] - req.milli * len(cols)
         cpu, mem = self.cpu[nodes] - req.cpu_milli, self.mem[nodes] - req.memory_mb
         delta: F64 = self._frag(cpu, mem, cnt, part, tot) - self.frag[nodes]
-        lost = (self._lost(nodes, cpu, mem, cnt) if self.protect_scarce
-                else np.zeros(nodes.size))
-        return delta, lost
+        return delta, self._lost_shapes(nodes, cpu, mem, cnt)
 
     # -- what `--explain` says ----------------------------------------------------------
 
