@@ -161,7 +161,7 @@ class Packer:
         self.index = {x.node_id: i for i, x in enumerate(self.nodes)}
         self.strategy: Strategy = strategy
         #: m27: places within `tolerance.of(request)` milli of the least fragmentation
-        #: growth are        #: equally good; the other keys decide among them.
+        #: growth are equally good; the other keys decide among them.
         self.tolerance = tolerance
         self.protect_scarce = strategy == "m27"
         n, g = len(self.nodes), max([len(x.gpus) for x in self.nodes] + [1])
