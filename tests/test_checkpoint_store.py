@@ -9,6 +9,7 @@ import os
 import signal
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
+from functools import partial
 from pathlib import Path
 
 import grpc
@@ -278,7 +279,7 @@ async def finish(call: Callable[[], object]) -> None:
     """Await an RPC, or drain a streaming one, or await a coroutine consuming one."""
     result = call()
     if hasattr(result, "__aiter__"):
-        async for _ in result:  # type: ignore[attr-defined]
+        async for _ in result:
             pass
     else:
         await result  # type: ignore[misc]
@@ -302,39 +303,40 @@ async def test_hostile_ids_and_names_are_invalid_and_touch_nothing(
     async with stub_of(proc) as stub:
         for task_id in HOSTILE_TASK_IDS:
             calls: list[Callable[[], object]] = [
-                lambda t=task_id: stub.GetManifest(pb.GetManifestRequest(task_id=t)),
-                lambda t=task_id: stub.List(pb.ListRequest(task_id=t)),
-                lambda t=task_id: stub.Delete(pb.DeleteRequest(task_id=t,
-                                                               checkpoint_id=good_id)),
-                lambda t=task_id: stub.Commit(pb.CommitRequest(task_id=t, manifest_json="{}")),
-                lambda t=task_id: stub.PutChunks(iter([pb.PutChunksRequest(
-                    header=pb.PutChunksHeader(task_id=t))])),
+                partial(stub.GetManifest, pb.GetManifestRequest(task_id=task_id)),
+                partial(stub.List, pb.ListRequest(task_id=task_id)),
+                partial(stub.Delete, pb.DeleteRequest(task_id=task_id, checkpoint_id=good_id)),
+                partial(stub.Commit, pb.CommitRequest(task_id=task_id, manifest_json="{}")),
+                partial(stub.PutChunks, iter([pb.PutChunksRequest(
+                    header=pb.PutChunksHeader(task_id=task_id))])),
             ]
             if task_id:  # an empty task makes MissingChunks unfenced, which is allowed
-                calls.append(lambda t=task_id: stub.MissingChunks(
-                    pb.MissingChunksRequest(task_id=t, ids=["0" * 64])))
+                calls.append(partial(stub.MissingChunks,
+                                     pb.MissingChunksRequest(task_id=task_id, ids=["0" * 64])))
             for call in calls:
                 details = await expect(Code.INVALID_ARGUMENT, call)
                 assert "task_id must be" in details or "exactly one of task_id" in details
         for checkpoint_id in HOSTILE_CHECKPOINT_IDS:
-            for call in (lambda c=checkpoint_id: stub.GetManifest(pb.GetManifestRequest(
-                             task_id=TASK, checkpoint_id=c)),
-                         lambda c=checkpoint_id: stub.Delete(pb.DeleteRequest(
-                             task_id=TASK, checkpoint_id=c))):
+            by_checkpoint: list[Callable[[], object]] = [
+                partial(stub.GetManifest, pb.GetManifestRequest(
+                    task_id=TASK, checkpoint_id=checkpoint_id)),
+                partial(stub.Delete, pb.DeleteRequest(task_id=TASK, checkpoint_id=checkpoint_id))]
+            for call in by_checkpoint:
                 assert "checkpoint_id must look like" in \
                     await expect(Code.INVALID_ARGUMENT, call)
         for chunk_id in ["../../../etc/passwd", "0" * 63, "*"]:
-            for call in (lambda c=chunk_id: stub.GetChunks(pb.GetChunksRequest(ids=[c])),
-                         lambda c=chunk_id: stub.MissingChunks(
-                             pb.MissingChunksRequest(ids=[c]))):
+            by_chunk: list[Callable[[], object]] = [
+                partial(stub.GetChunks, pb.GetChunksRequest(ids=[chunk_id])),
+                partial(stub.MissingChunks, pb.MissingChunksRequest(ids=[chunk_id]))]
+            for call in by_chunk:
                 assert "64 lower-case hex" in await expect(Code.INVALID_ARGUMENT, call)
         for name in HOSTILE_NAMES:
             entry, _ = plan_entry(name, "file", memoryview(b"x"), None, delta=False,
                                   compressor=ZSTD)
             manifest = Manifest(task_id=TASK, entries=(entry,))
             text = msgspec.json.encode(manifest).decode()
-            assert "entry name" in await expect(Code.INVALID_ARGUMENT, lambda m=text: stub.Commit(
-                pb.CommitRequest(task_id=TASK, manifest_json=m)))
+            assert "entry name" in await expect(Code.INVALID_ARGUMENT, partial(
+                stub.Commit, pb.CommitRequest(task_id=TASK, manifest_json=text)))
     assert sorted(p.name for p in tmp_path.iterdir()) == before
     assert sorted(str(p.relative_to(root)) for p in root.rglob("*")) == layout
 
@@ -372,7 +374,7 @@ def test_a_crash_mid_upload_keeps_the_previous_checkpoint(start_service: StartSe
         with grpc.insecure_channel(first.grpc_address) as channel, \
                 pytest.raises(grpc.RpcError) as caught:
             pb_grpc.CheckpointServiceStub(channel).PutChunks(trickle(), timeout=30)
-        assert caught.value.code() == Code.UNAVAILABLE  # type: ignore[attr-defined]
+        assert caught.value.code() == Code.UNAVAILABLE
     second = start_service("checkpoint_store", "--root", str(root), name="checkpoint_store-2")
     with remote(second) as store:
         assert [m.checkpoint_id for m in store.list(TASK)] == [previous.checkpoint_id]

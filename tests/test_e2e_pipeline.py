@@ -13,6 +13,7 @@ import nats
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from nats.aio.msg import Msg
 
 from m27.common import subjects
 from m27.embedded.nats_server import pid_alive
@@ -46,7 +47,7 @@ class EventLog:
     def __init__(self) -> None:
         self.items: list[tuple[str, dict[str, object]]] = []
 
-    async def handle(self, msg: nats.aio.msg.Msg) -> None:
+    async def handle(self, msg: Msg) -> None:
         self.items.append((msg.subject, json.loads(msg.data)))
 
     def of_run(self, run_id: str) -> list[dict[str, object]]:
@@ -64,12 +65,12 @@ async def event_log(cluster: Cluster) -> AsyncIterator[EventLog]:
 
 
 @pytest.fixture
-async def stub(cluster: Cluster) -> AsyncIterator[pb_grpc.PipelineServiceStub]:
+async def stub(cluster: Cluster) -> AsyncIterator[pb_grpc.PipelineServiceAsyncStub]:
     async with grpc.aio.insecure_channel(cluster.api) as channel:
         yield pb_grpc.PipelineServiceStub(channel)
 
 
-async def wait_final(stub: pb_grpc.PipelineServiceStub, run_id: str,
+async def wait_final(stub: pb_grpc.PipelineServiceAsyncStub, run_id: str,
                      timeout: float = 60.0) -> pb.Run:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -90,7 +91,7 @@ async def wait_for(predicate: object, timeout: float = 20.0) -> None:
 
 
 async def test_seed_pipeline_runs_in_dependency_order_with_an_event_per_change(
-        cluster: Cluster, stub: pb_grpc.PipelineServiceStub, event_log: EventLog,
+        cluster: Cluster, stub: pb_grpc.PipelineServiceAsyncStub, event_log: EventLog,
         tmp_path: Path) -> None:
     reply = await stub.SubmitPipeline(pb.SubmitPipelineRequest(
         pipeline_yaml=SEED_HARMLESS, vars={"INPUT_FILE": "1abc.pdb; rm -rf /"},
@@ -127,7 +128,7 @@ async def test_seed_pipeline_runs_in_dependency_order_with_an_event_per_change(
 
 
 async def test_a_failing_step_fails_the_run_with_exit_code_and_stderr(
-        stub: pb_grpc.PipelineServiceStub, tmp_path: Path) -> None:
+        stub: pb_grpc.PipelineServiceAsyncStub, tmp_path: Path) -> None:
     text = """pipeline:
   - {name: ok, type: cpu, command: "echo fine"}
   - {name: broken, type: cpu, depends_on: [ok], command: "echo 'disk on fire' >&2; exit 3"}
@@ -146,7 +147,7 @@ async def test_a_failing_step_fails_the_run_with_exit_code_and_stderr(
 
 
 async def test_cancel_kills_the_whole_process_group_of_a_running_step(
-        stub: pb_grpc.PipelineServiceStub, tmp_path: Path) -> None:
+        stub: pb_grpc.PipelineServiceAsyncStub, tmp_path: Path) -> None:
     text = """pipeline:
   - name: long
     type: gpu
@@ -170,7 +171,7 @@ async def test_cancel_kills_the_whole_process_group_of_a_running_step(
 
 
 async def test_watch_streams_snapshot_then_events_and_ends_after_the_final_one(
-        stub: pb_grpc.PipelineServiceStub, tmp_path: Path) -> None:
+        stub: pb_grpc.PipelineServiceAsyncStub, tmp_path: Path) -> None:
     text = "pipeline:\n  - {name: a, command: 'sleep 0.5'}\n  - {name: b, command: 'true', " \
            "depends_on: [a]}\n"
     reply = await stub.SubmitPipeline(pb.SubmitPipelineRequest(pipeline_yaml=text,
@@ -188,7 +189,7 @@ async def test_watch_streams_snapshot_then_events_and_ends_after_the_final_one(
     assert again[0].snapshot.state == pb.RUN_STATE_SUCCEEDED
 
 
-async def test_bad_requests_get_clear_statuses(stub: pb_grpc.PipelineServiceStub) -> None:
+async def test_bad_requests_get_clear_statuses(stub: pb_grpc.PipelineServiceAsyncStub) -> None:
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await stub.SubmitPipeline(pb.SubmitPipelineRequest(
             pipeline_yaml="pipeline:\n  - {name: a, command: x, depends_on: [b]}\n",
@@ -208,7 +209,7 @@ async def test_bad_requests_get_clear_statuses(stub: pb_grpc.PipelineServiceStub
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
-async def test_list_runs_newest_first(stub: pb_grpc.PipelineServiceStub) -> None:
+async def test_list_runs_newest_first(stub: pb_grpc.PipelineServiceAsyncStub) -> None:
     reply = await stub.ListRuns(pb.ListRunsRequest(limit=100))
     ids = [r.run_id for r in reply.runs]
     assert ids == sorted(ids, reverse=True)

@@ -70,7 +70,7 @@ def train(out: Path, steps: int) -> None:
     cursor = ckpt.resume() or Cursor()
     slow_after = int(os.environ.get("M27_TEST_SLOW_AFTER") or 0)
     print(f"resumed {cursor.step}", flush=True)
-    durable = cursor.step
+    durable: int | None = cursor.step
     while cursor.step < steps:
         sampler.start(cursor)
         for x, y in loader:
@@ -98,7 +98,8 @@ def train(out: Path, steps: int) -> None:
     ckpt.close()
     torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
                 "scheduler": scheduler.state_dict(), "extras": dict(ckpt.extras),
-                "torch_rng": torch.get_rng_state(), "numpy_rng": np.random.get_state()[1],
+                "torch_rng": torch.get_rng_state(),
+                "numpy_rng": np.random.get_state(legacy=False)["state"]["key"],
                 "python_rng": random.getstate(), "cursor": cursor.state_dict()},
                out / "final.pt")
 
