@@ -419,10 +419,10 @@ class Packer:
             frag = self._frag(cpu, mem, self.cnt[rows], self.part[rows],
                               self.tot[rows]) - self.frag[rows]
             lost = self._lost_shapes(rows, cpu, mem, self.cnt[rows])
-            # m27: CPU work goes where it costs no capability and idle GPU capacity is
-            # scarcest: it strands the least.
+            # m27: CPU work goes where it costs no capability (priced in `_choice`) and
+            # idle GPU capacity is scarcest: it strands the least.
             keys = np.stack([self._key(frag)] + (
-                [self._lost_cost(lost), self.tot[rows]] if self.strategy == "m27" else []))
+                [np.zeros(rows.size), self.tot[rows]] if self.strategy == "m27" else []))
         keys[0, ~fits] = np.inf
         return keys, np.zeros((rows.size, 1), np.int64), frag, lost
 
@@ -505,9 +505,9 @@ class Packer:
         lost_shapes[sel] = lost
         keys[0, sel] = self._key(delta)
         if self.strategy == "m27":
-            # Then the fewest capabilities lost, the node the gang fills most tightly,
-            # then the coolest GPUs.
-            keys[1, sel] = self._lost_cost(lost)
+            # Then the fewest capabilities lost (priced in `_choice`), the node the gang
+            # fills most tightly, then the coolest GPUs.
+            keys[1, sel] = 0.0
             keys[2, sel] = self.tot[nodes]
             keys[3, sel] = self.temp[nodes[:, None], chosen].mean(axis=1)
         return keys, cols, frag, lost_shapes
