@@ -5,10 +5,11 @@ background task that fits inside that share (milli and GPU memory, plus the node
 host memory) starts in it: `Place(lender=...)`; several may, up to the lender's share. A
 backfill holds no GPU capacity of its own while its lender runs. When the lender is busy
 again the backfill is paused (SIGSTOP: it keeps its progress and memory, gives back
-compute) and resumed when the lender goes idle again. A preemptible backfill paused longer
-than `max_pause_s` is preempted (checkpoint-then-stop, requeued) so it stops holding GPU
-memory. If the lender finished, a paused backfill resumes and from then on holds its own
-share.
+compute) and resumed when the lender goes idle again. A backfill paused longer than
+`max_pause_s` may be preempted, but only as a victim for a waiting task that needs the GPU
+memory or CPU it holds (`_core._victims`), never on a timer alone: a stop nobody takes the
+place of is thrash. Nothing is lent out of a lender that is stopping or being preempted. If
+the lender finished, a paused backfill resumes and from then on holds its own share.
 """
 
 from __future__ import annotations
@@ -16,14 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from m27.scheduler._packing import Packer, Request
-from m27.scheduler.model import (
-    Decision,
-    Pause,
-    PolicySettings,
-    Preempt,
-    Resume,
-    Running,
-)
+from m27.scheduler.model import Decision, Pause, Resume, Running
 
 
 def lenders(running: Sequence[Running]) -> dict[str, tuple[Running, int]]:
@@ -42,9 +36,8 @@ def lenders(running: Sequence[Running]) -> dict[str, tuple[Running, int]]:
     return out
 
 
-def manage(running: Sequence[Running], now: float,
-           settings: PolicySettings) -> list[Decision]:
-    """Pause, resume or preempt existing backfills as their lenders change state."""
+def manage(running: Sequence[Running]) -> list[Decision]:
+    """Pause or resume existing backfills as their lenders change state."""
     by_id = {r.job.task_id: r for r in running}
     decisions: list[Decision] = []
     for r in sorted((r for r in running if (r.lender or r.paused) and not r.stopping),
@@ -63,12 +56,6 @@ def manage(running: Sequence[Running], now: float,
             decisions.append(Pause(task_id=job.task_id, attempt=job.attempt,
                                    reason=f"lender {r.lender} is busy again: give its "
                                    "GPU share back"))
-        elif (not lender.idle and r.paused and job.preemptible and r.paused_at is not None
-              and now - r.paused_at > settings.max_pause_s):
-            decisions.append(Preempt(
-                task_id=job.task_id, attempt=job.attempt, grace_s=settings.preempt_grace_s,
-                reason=f"paused {now - r.paused_at:.0f} s > {settings.max_pause_s:.0f} s "
-                f"while lender {r.lender} is busy: checkpoint and requeue"))
     return decisions
 
 

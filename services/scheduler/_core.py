@@ -62,7 +62,11 @@ class _Cycle:
         self.packer = build_packer(state, queue, settings)
         self.failed: set[Request] = set()
         self.idle = _backfill.lenders(state.running) if settings.backfill else {}
-        self.stopping = [r for r in state.running if r.stopping]
+        alive = {r.job.task_id for r in state.running}
+        self.stopping: list[_preemption.Freed] = [
+            (r, 0 if r.lender and r.lender in alive else r.gpu_milli)
+            for r in state.running if r.stopping]
+        self.queued_ids = {q.job.task_id for q in queue}
         self.victims: list[_preemption.Victim] = []
         self.ready_left = settings.ready_pool
 
@@ -100,25 +104,57 @@ def build_packer(state: ClusterState, queue: Sequence[Queued],
 
 def _victims(state: ClusterState, now: float, settings: PolicySettings,
              spoken_for: set[str]) -> list[_preemption.Victim]:
-    """Running tasks a higher task may preempt (scores as of now)."""
-    pool = []
+    """Running tasks a higher task may preempt (scores as of now), each with its tenants."""
     alive = {r.job.task_id for r in state.running}
+    tenants: dict[str, list[Running]] = {}
     for r in state.running:
-        background = r.job.tier == "background"
-        lent = bool(r.lender) and r.lender in alive  # holds no share of its own
-        if r.stopping or lent or r.job.task_id in spoken_for:
+        if r.lender and r.lender in alive:
+            tenants.setdefault(r.lender, []).append(r)
+    pool = []
+    for r in state.running:
+        borrows = bool(r.lender) and r.lender in alive
+        if r.job.task_id in spoken_for or protection(r, now, settings):
             continue
-        if not (r.job.preemptible or background):
-            continue
-        if not background and now - r.started_at < settings.min_runtime_s:
-            continue
-        score = running_score(r, now, settings)
-        pool.append(_preemption.Victim(
-            running=r, score=float("-inf") if background else score.total,
-            base=float("-inf") if background else score.urgency + score.level,
-            lost_gpu_s=_preemption.lost_work(r, now),
-            served_gpu_s=r.attained_gpu_s + attempt_gpu_s(r, now)))
+        if borrows and not (r.paused and r.paused_at is not None
+                            and now - r.paused_at > settings.max_pause_s):
+            continue  # a running backfill gives back no share; a paused one resumes soon
+        mine = tuple(tenants.get(r.job.task_id, ()))
+        if any(t.job.task_id in spoken_for or protection(t, now, settings) for t in mine):
+            continue  # they would inherit the share it frees
+        pool.append(_victim(r, mine, borrows, now, settings))
     return pool
+
+
+def _victim(r: Running, tenants: tuple[Running, ...], borrows: bool, now: float,
+            settings: PolicySettings) -> _preemption.Victim:
+    background = r.job.tier == "background"
+    score = running_score(r, now, settings)
+    return _preemption.Victim(
+        running=r, score=float("-inf") if background else score.total,
+        base=float("-inf") if background else score.urgency + score.level,
+        lost_gpu_s=sum(_preemption.lost_work(x, now) for x in (r, *tenants)),
+        served_gpu_s=r.attained_gpu_s + attempt_gpu_s(r, now), tenants=tenants,
+        borrows=borrows)
+
+
+def protection(r: Running, now: float, settings: PolicySettings) -> str:
+    """Why this running task may not be preempted now ("" when it may)."""
+    if r.stopping:
+        return "already stopping"
+    if not (r.job.preemptible or r.job.tier == "background"):
+        return "not preemptible"
+    if r.staging:
+        return "staging its inputs"
+    since = r.computing_since if r.computing_since is not None else r.started_at
+    if now - since < settings.min_runtime_s:
+        return (f"computing {max(0.0, now - since):.0f} s < min runtime "
+                f"{settings.min_runtime_s:.0f} s")
+    limit = settings.max_fruitless_preemptions
+    fruitless = r.job.fruitless_preemptions
+    if limit > 0 and fruitless >= limit and r.last_checkpoint_at is None:
+        return (f"preempted {fruitless} times without progress: protected until it "
+                "commits a checkpoint")
+    return ""
 
 
 def _drain(state: ClusterState, settings: PolicySettings) -> list[Decision]:
@@ -135,7 +171,7 @@ def run_cycle(state: ClusterState, queue: Sequence[Queued], now: float,
               settings: PolicySettings) -> tuple[list[Decision], list[Explanation]]:
     """The decisions of one cycle and, per queued task, its explanation."""
     cycle = _Cycle(state, queue, now, settings)
-    for decision in _drain(state, settings) + _backfill.manage(state.running, now, settings):
+    for decision in _drain(state, settings) + _backfill.manage(state.running):
         cycle.emit(decision)
     spoken_for = {d.task_id for d in cycle.decisions if isinstance(d, Preempt)}
     cycle.victims = _victims(state, now, settings, spoken_for)
@@ -213,13 +249,17 @@ def _place(cycle: _Cycle, queued: Queued, req: Request, choice: Choice,
 
 
 def _preempt(cycle: _Cycle, queued: Queued, req: Request, score: Score) -> bool:
+    job = queued.job
     asker = _preemption.Asker(score=score.total, base=score.urgency + score.level,
                               served_gpu_s=queued.attained_gpu_s,
                               peer_yield_gpu_s=cycle.settings.peer_yield_gpu_h * 3600.0)
-    plan = _preemption.plan(cycle.packer, req, asker, cycle.victims, cycle.stopping)
+    # Capacity stopping for another waiting task is that task's, not this one's.
+    stopping = [f for f in cycle.stopping
+                if f[0].stopping_for in ("", job.task_id)
+                or f[0].stopping_for not in cycle.queued_ids]
+    plan = _preemption.plan(cycle.packer, req, asker, cycle.victims, stopping)
     if plan is None:
         return False
-    job = queued.job
     node_id = cycle.packer.nodes[plan.node].node_id
     for victim in plan.victims:
         vjob = victim.running.job
@@ -229,11 +269,20 @@ def _preempt(cycle: _Cycle, queued: Queued, req: Request, score: Score) -> bool:
             reason=f"make room for {job.task_id} (score {score.total:.0f} > "
             f"{victim.score:.0f}); loses {victim.lost_gpu_s:.0f} GPU-s since its last "
             "checkpoint"))
+        for tenant in victim.tenants:
+            cycle.emit(Preempt(
+                task_id=tenant.job.task_id, attempt=tenant.job.attempt, for_task=job.task_id,
+                grace_s=cycle.settings.preempt_grace_s,
+                reason=f"backfill in {vjob.task_id}, which is preempted for {job.task_id}: "
+                "it would otherwise keep the share freed for it"))
     _reserve(cycle.packer, plan, req)
-    taken = {v.running.job.task_id for v in plan.victims} | {
-        r.job.task_id for r in plan.stopping}
-    cycle.victims = [v for v in cycle.victims if v.running.job.task_id not in taken]
-    cycle.stopping = [r for r in cycle.stopping if r.job.task_id not in taken]
+    taken = {r.job.task_id for v in plan.victims for r, _ in v.frees()} | {
+        r.job.task_id for r, _ in plan.stopping}
+    cycle.victims = [v for v in cycle.victims if not taken & {
+        r.job.task_id for r, _ in v.frees()}]
+    cycle.stopping = [f for f in cycle.stopping if f[0].job.task_id not in taken]
+    for task_id in taken:  # no backfill into capacity that is being freed
+        cycle.idle.pop(task_id, None)
     count = len(plan.victims) + len(plan.stopping)
     cycle.emit(Wait(task_id=job.task_id,
                     reason=f"waiting for {count} preempted task(s) to checkpoint on "
@@ -248,7 +297,7 @@ def _reserve(packer: Packer, plan: _preemption.Plan, req: Request) -> None:
     task takes the free half of a GPU whose other half is being preempted for a whole-GPU
     task, the GPU never becomes whole, and the preemption repeats every grace period."""
     node = plan.node
-    freed = [*(v.running for v in plan.victims), *plan.stopping]
+    freed = [r for v in plan.victims for r, _ in v.frees()] + [r for r, _ in plan.stopping]
     cols = sorted({packer.col_of(node, g) for r in freed for g in r.gpu_ids} - {-1})
     if req.gpus > 1 or req.milli >= MILLI_PER_GPU:
         spare = [c for c in range(packer.free.shape[1]) if c not in cols

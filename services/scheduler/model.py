@@ -61,6 +61,11 @@ class Job(msgspec.Struct, frozen=True, kw_only=True):
     #: The task saves checkpoints (a `checkpoint:` interval or m27.train): a stop loses
     #: little, so it is a cheap preemption victim and can be moved off a draining node.
     checkpoints: bool = False
+    #: Consecutive earlier attempts that were preempted before they made durable progress
+    #: (no checkpoint committed in the attempt); a preemption after progress resets it.
+    #: At `PolicySettings.max_fruitless_preemptions` the task is not preempted again until
+    #: its current attempt makes progress.
+    fruitless_preemptions: int = 0
 
 
 class Queued(msgspec.Struct, frozen=True, kw_only=True):
@@ -88,9 +93,16 @@ class Running(msgspec.Struct, frozen=True, kw_only=True):
     #: Started into the idle capacity of this running task (backfill); "" otherwise.
     lender: str = ""
     stopping: bool = False  # a stop (preemption, drain) was already sent
-    #: When it was paused (SIGSTOP); None: not paused or not known. A backfill paused
-    #: longer than `PolicySettings.max_pause_s` is preempted if it is preemptible.
+    #: When it was paused (SIGSTOP); None: not paused or not known. A paused backfill is a
+    #: preemption victim only once paused longer than `PolicySettings.max_pause_s`.
     paused_at: float | None = None
+    #: The queued task the stop was sent for ("" for a drain, a timer or not known): its
+    #: capacity is counted for that task only while it stops.
+    stopping_for: str = ""
+    #: Still copying its inputs (staging): never preempted, its minimum runtime not begun.
+    staging: bool = False
+    #: When this attempt began computing (its staging done); None: at `started_at`.
+    computing_since: float | None = None
 
 
 class ClusterState(msgspec.Struct, frozen=True, kw_only=True):
@@ -112,13 +124,18 @@ class PolicySettings(msgspec.Struct, frozen=True, kw_only=True):
     held_per_gpu_hour: float = 5.0  # score lost per GPU-hour already held: long holders yield
     memory_overprovision: float = 1.0  # GPU memory overcommit for fractional packing
     max_temperature_c: float = 80.0  # hotter GPUs (or throttling ones) get no new work
-    min_runtime_s: float = 300.0  # a task younger than this is not preempted (no thrash)
+    #: A task computing for less than this in its attempt is not preempted, whatever its
+    #: tier (no thrash); nor is one still staging its inputs.
+    min_runtime_s: float = 300.0
+    #: A task whose last this-many attempts were all preempted before they made durable
+    #: progress is not preempted again until its current attempt commits a checkpoint.
+    max_fruitless_preemptions: int = 3
     preempt_grace_s: float = 60.0  # checkpoint-then-stop: SIGTERM, SIGKILL after this
     preemption: bool = True
     backfill: bool = True  # start work in GPU capacity its holder leaves idle (I/O wait)
     ready_pool: int = 2  # how many next tasks get their inputs staged while they wait
-    #: A paused preemptible backfill is preempted (checkpoint-then-stop) after this long,
-    #: so it stops holding GPU memory its lender may need.
+    #: A paused backfill is expected to resume at its lender's next I/O wait: only once
+    #: paused longer than this may a waiting task preempt it for the memory it holds.
     max_pause_s: float = 600.0
     #: Least-attained-service among peers (as Tiresias): a task that has held less than
     #: this many GPU-hours may preempt a preemptible task of its own class that has held at

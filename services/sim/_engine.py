@@ -27,6 +27,7 @@ from m27.scheduler.model import (
     MILLI_PER_GPU,
     ClusterState,
     Decision,
+    Job,
     Pause,
     Place,
     Policy,
@@ -70,10 +71,16 @@ class _Task:
     milli: int = 0
     started_at: float = 0.0
     phase: Literal["busy", "io"] = "busy"
+    staging: bool = False  # the io phase is the copy of its inputs before it computes
+    computing_since: float | None = None
+    fruitless: int = 0  # consecutive preempted attempts without a checkpoint
+    stopping_for: str = ""
+    preempted: int = 0  # times preempted (all attempts)
     phase_left: float = 0.0  # busy: compute s to the next I/O phase; io: wall s left
     io_since: float = 0.0
     idle_seen: bool = False  # the policy has been (or is about to be) told it is idle
     paused: bool = False
+    paused_at: float | None = None
     stopping: bool = False
     lender: str = ""
     ckpt_at: float | None = None
@@ -219,6 +226,8 @@ class _Sim:
             elif task.phase == "io" and task.phase_left <= EPS:
                 task.phase_left = task.sim.io_every_s if task.sim.io_every_s > 0 else math.inf
                 task.phase = "busy"
+                if task.staging:
+                    task.staging, task.computing_since = False, self.now
                 self.dirty |= task.idle_seen  # its idle report ends now
                 task.idle_seen, task.view = False, None
             elif task.phase == "io" and self.idle(task) and not task.idle_seen:
@@ -304,9 +313,12 @@ class _Sim:
         ready = staged is not None and staged[0] == place.node_id and staged[1] <= self.now
         task.phase, task.io_since, task.idle_seen = "busy", self.now, False
         task.phase_left = task.sim.io_every_s if task.sim.io_every_s > 0 else math.inf
+        task.staging, task.computing_since = False, self.now
         if task.sim.stage_s > 0 and not ready:
             task.phase, task.phase_left = "io", task.sim.stage_s
+            task.staging, task.computing_since = True, None
         task.paused = task.stopping = False
+        task.paused_at, task.stopping_for = None, ""
         task.ckpt_at, task.ckpt_remaining = None, task.remaining
         interval = task.sim.checkpoint_s
         task.next_ckpt = self.now + interval if interval > 0 else math.inf
@@ -335,6 +347,8 @@ class _Sim:
         """Preempted (grace over) or crashed: back to its checkpoint, requeued."""
         if not failed:
             self.c.preemptions += 1
+            task.preempted += 1
+            task.fruitless = 0 if task.ckpt_at is not None else task.fruitless + 1
         lost = task.ckpt_remaining - task.remaining
         self.c.lost += lost * task.demand * len(task.gpu_ids) / MILLI_PER_GPU
         task.remaining = task.ckpt_remaining
@@ -365,12 +379,13 @@ class _Sim:
     def view(self, task: _Task) -> Running:
         if task.view is None:
             task.view = Running(
-                job=msgspec.structs.replace(task.sim.job, attempt=task.attempt),
-                node_id=task.node_id, gpu_ids=task.gpu_ids, gpu_milli=task.milli,
-                started_at=task.started_at, queued_at=task.queued_at,
+                job=self.job(task), node_id=task.node_id, gpu_ids=task.gpu_ids,
+                gpu_milli=task.milli, started_at=task.started_at, queued_at=task.queued_at,
                 attained_gpu_s=task.attained, last_checkpoint_at=task.ckpt_at,
                 idle=self.idle(task), paused=task.paused, lender=task.lender,
-                stopping=task.stopping)
+                stopping=task.stopping, paused_at=task.paused_at,
+                stopping_for=task.stopping_for, staging=task.staging,
+                computing_since=task.computing_since)
         return task.view
 
     def queued(self, task: _Task) -> Queued:
@@ -378,10 +393,13 @@ class _Sim:
         on = staged[0] if staged and staged[1] <= self.now else ""
         q = task.qview
         if q is None or q.job.attempt != task.attempt or q.staged_on != on:
-            q = task.qview = Queued(
-                job=msgspec.structs.replace(task.sim.job, attempt=task.attempt),
-                queued_at=task.queued_at, attained_gpu_s=task.attained, staged_on=on)
+            q = task.qview = Queued(job=self.job(task), queued_at=task.queued_at,
+                                    attained_gpu_s=task.attained, staged_on=on)
         return q
+
+    def job(self, task: _Task) -> Job:
+        return msgspec.structs.replace(task.sim.job, attempt=task.attempt,
+                                       fruitless_preemptions=task.fruitless)
 
     def apply(self, decision: Decision, free: FreeMap) -> str:
         """Apply one decision; a non-empty result says why it was refused."""
@@ -407,11 +425,12 @@ class _Sim:
             if task is None or task.attempt != decision.attempt:
                 return f"{type(decision).__name__.lower()}: not running (or another attempt)"
             if isinstance(decision, Preempt) and not task.stopping:
-                task.stopping, task.view = True, None
+                task.stopping, task.stopping_for, task.view = True, decision.for_task, None
                 self.push(self.now + max(0.0, decision.grace_s), "stop",
                           decision.task_id, task.attempt)
-            elif isinstance(decision, Pause | Resume):
+            elif isinstance(decision, Pause | Resume) and not task.stopping:
                 task.paused, task.view = isinstance(decision, Pause), None
+                task.paused_at = self.now if task.paused else None
         return ""
 
     def check_fit(self, task: _Task, place: Place, free: FreeMap) -> str:
@@ -465,6 +484,7 @@ class _Sim:
         return JobOutcome(
             task_id=sim.job.task_id, kind=sim.kind, tier=sim.job.tier, submit_s=sim.submit_s,
             first_start_s=task.first_start, end_s=task.end, attempts=task.attempt,
+            preemptions=task.preempted,
             night=night and morning is not None and morning <= end, morning_s=morning)
 
 

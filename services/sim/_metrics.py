@@ -25,6 +25,7 @@ class JobOutcome(msgspec.Struct, frozen=True, kw_only=True):
     attempts: int
     night: bool  # submitted 18:00–08:00 with its 09:00 inside the simulated span
     morning_s: float | None
+    preemptions: int = 0  # times this task was preempted (all attempts)
 
 
 class Sample(msgspec.Struct, frozen=True, kw_only=True):

@@ -241,12 +241,15 @@ def test_background_only_takes_leftovers() -> None:
     assert waits(decisions)["bg"].startswith("background tier")
 
 
-def test_an_immediate_job_preempts_background_even_a_young_one() -> None:
-    cluster = state(node("n1", 1), running=(
-        running("bg", "n1", (0,), 1000, tier="background", urgency="urgent",
-                started=NOW - 5),))
-    decisions = decide(cluster, [queued("imm", 1000, at=NOW, urgency="low")], NOW)
-    assert preempted(decisions) == ["bg"]
+def test_an_immediate_job_preempts_background_once_past_its_minimum_runtime() -> None:
+    """Background is the first victim whatever its urgency, but a young one is protected
+    like any task: min runtime holds for every tier (no thrash of short filler work)."""
+    for age, victims in ((5.0, []), (S.min_runtime_s + 1, ["bg"])):
+        cluster = state(node("n1", 1), running=(
+            running("bg", "n1", (0,), 1000, tier="background", urgency="urgent",
+                    started=NOW - age),))
+        decisions = decide(cluster, [queued("imm", 1000, at=NOW, urgency="low")], NOW)
+        assert preempted(decisions) == victims
 
 
 def test_the_ready_pool_is_staged_once_on_the_likely_node() -> None:
@@ -287,7 +290,7 @@ def test_no_backfill_when_the_idle_task_holds_all_gpu_memory() -> None:
 @pytest.mark.parametrize(("lender_idle", "paused", "paused_at", "expect"), [
     (False, False, None, Pause),
     (True, True, 0.0, Resume),
-    (False, True, NOW - 10_000, Preempt),  # paused long, preemptible
+    (False, True, NOW - 10_000, None),  # paused long, but nobody needs its memory
     (False, True, NOW - 10, None),  # paused a short while: stays paused
     (True, False, None, None),  # lender still idle: keeps running
 ])
