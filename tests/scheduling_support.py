@@ -7,13 +7,16 @@ import asyncio
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Final
 
 from m27.client import Client
 from m27.client.scheduler import QueueItem, SchedulerClient
-from m27.common.model import StepRecord
+from m27.common import subjects
+from m27.common.bus import Bus
+from m27.common.model import ServiceInfo, StepRecord
 from m27.embedded.processes import ServiceProcess, wait_ready
 from tests.support import Cluster, lines, service_log
 
@@ -108,3 +111,21 @@ def counts(path: Path, attempt: int) -> list[int]:
 
 def scheduler_log(cluster: Cluster) -> str:
     return service_log(cluster.processes["scheduler"])
+
+
+async def scheduler_metrics(cluster: Cluster) -> str:
+    """A scrape of the scheduler's /metrics, found where it registered (KV m27_services)."""
+    bus = await Bus.open(cluster.nats_url, name="test-metrics")
+    try:
+        keys = [k for k in await bus.kv_keys(subjects.SERVICES_BUCKET)
+                if k.startswith("scheduler.")]
+        assert len(keys) == 1, keys
+        got = await bus.kv_get(subjects.SERVICES_BUCKET, keys[0], ServiceInfo)
+    finally:
+        await bus.close()
+    assert got is not None
+    address = got[0].metrics_address
+    assert address, "the scheduler registered no metrics address"
+    url = f"http://{address}/metrics"
+    return await asyncio.to_thread(
+        lambda: urllib.request.urlopen(url, timeout=5).read().decode())

@@ -9,6 +9,7 @@ from its checkpoint and finishes without redoing or skipping a step.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,7 +17,8 @@ from pathlib import Path
 import pytest
 
 from m27.client import Client
-from m27.common import events
+from m27.common import events, subjects
+from m27.common.bus import Bus
 from m27.common.ids import task_id
 from m27.orchestrator import runs
 from m27.pipeline import load_pipeline
@@ -26,6 +28,7 @@ from tests.scheduling_support import (
     counts,
     queue,
     scheduler_log,
+    scheduler_metrics,
     wait_step,
 )
 from tests.support import Cluster, finished_run, lines, wait_for
@@ -67,8 +70,24 @@ async def test_an_urgent_step_preempts_a_background_one_which_resumes_from_its_c
                         None)
     assert requeued.state == "waiting"
     assert requeued.queued_at == pytest.approx(first_queued, abs=0.01)
+    # Thrash is visible: the requeue says it was preempted before any checkpoint was
+    # committed (the counter keeps its state in a file, not the checkpoint-store) ...
+    assert (requeued.preemptions, requeued.fruitless_preemptions) == (1, 1)
+    fix = next(item for item in await queue(system, explain=True)
+               if item.task_id == f"{urgent}/fix")
+    assert fix.protected == "not preemptible"
+    # ... and the scheduler counts the stop it sent, by kind, for Prometheus.
+    metrics = await scheduler_metrics(system)
+    assert 'm27_scheduler_preemptions_total{kind="preemption"} 1\n' in metrics, metrics
+    assert 'm27_scheduler_preemptions_total{kind="drain"} 0\n' in metrics
     assert (requeued.urgency, requeued.tier) == ("low", "background")
     assert requeued.reason, "a waiting task says why it waits"
+
+    # The orchestrator notes which attempt committed a checkpoint (the test plays the
+    # checkpoint-store): a preemption of that attempt would not be fruitless.
+    await wait_step(client, background, "sweep",
+                    lambda s: (s.state, s.attempt) == ("running", 2), "not resumed", timeout=40)
+    assert await checkpointed_attempt(system, background, "sweep") == 2
 
     bg_run = await finished_run(client, background)
     urgent_run = await finished_run(client, urgent)
@@ -93,6 +112,31 @@ async def test_an_urgent_step_preempts_a_background_one_which_resumes_from_its_c
     assert resumed > urgent_done - 0.5
     assert "task.preempted" in scheduler_log(system)
     assert time.time() - urgent_done < 120
+
+
+async def checkpointed_attempt(system: Cluster, run_id: str, step: str) -> int:
+    """Publish the store's `checkpoint_committed` for the step's current attempt; the
+    attempt the orchestrator's stored run then records as checkpointed."""
+    bus = await Bus.open(system.nats_url, name="test-checkpoint")
+    try:
+        got = await bus.kv_get(subjects.RUNS_BUCKET, run_id, runs.StoredRun)
+        assert got is not None
+        record = got[0].run.step(step)
+        assert record is not None
+        await bus.publish(subjects.task_events(run_id, step), events.CheckpointCommitted(
+            at=time.time(), task_id=task_id(run_id, step), attempt=record.attempt,
+            checkpoint_id="c-test"))
+        deadline = time.monotonic() + 10
+        while True:
+            got = await bus.kv_get(subjects.RUNS_BUCKET, run_id, runs.StoredRun)
+            assert got is not None
+            record = got[0].run.step(step)
+            assert record is not None
+            if record.checkpointed_attempt or time.monotonic() > deadline:
+                return record.checkpointed_attempt
+            await asyncio.sleep(0.05)
+    finally:
+        await bus.close()
 
 
 # ---------------------------------------------------------------- the orchestrator's part

@@ -96,6 +96,20 @@ def _other_lines(explanation: Mapping[str, Any]) -> list[str]:
             if key not in skip and value not in (None, "", [], {})]
 
 
+def preempted_note(item: QueueItem) -> str:
+    """` [preempted 3×, 2 in a row before any checkpoint]`; "" if never preempted."""
+    if not item.preemptions:
+        return ""
+    fruitless = (f", {item.fruitless_preemptions} in a row before any checkpoint"
+                 if item.fruitless_preemptions else "")
+    return f" [preempted {item.preemptions}×{fruitless}]"
+
+
+def protection_line(item: QueueItem) -> str:
+    """For a placed task under --explain: whether the policy may preempt it now."""
+    return f"protected: {item.protected}" if item.protected else "may be preempted now"
+
+
 def render_queue(items: Sequence[QueueItem], now: float, explain: bool) -> list[str]:
     if not items:
         return ["the queue is empty: nothing waits or runs"]
@@ -109,6 +123,7 @@ def render_queue(items: Sequence[QueueItem], now: float, explain: bool) -> list[
             where += f" [ready pool: inputs staged on {item.staged_on}]"
         elif item.state == "waiting" and item.staging_on:
             where += f" [ready pool: staging inputs on {item.staging_on}]"
+        where += preempted_note(item)
         score = f"{item.score:.1f}" if item.explanation is not None else "—"
         waited = format_duration(max(0.0, now - item.queued_at))
         lines.append(f"{n:>3}  {item.task_id:<{width}}  {item.state:<8}  {item.urgency:<7}  "
@@ -117,6 +132,8 @@ def render_queue(items: Sequence[QueueItem], now: float, explain: bool) -> list[
             line = score_line(item.explanation)
             lines.extend(f"       {text}" for text in
                          ([line] if line else []) + _other_lines(item.explanation))
+        elif explain and item.state != "waiting":
+            lines.append(f"       {protection_line(item)}")
     return lines
 
 

@@ -23,6 +23,7 @@ from m27.sim import (
     RawRun,
     SimConfig,
     Trace,
+    format_preemptions,
     format_table,
     jct_cdf_svg,
     make_nodes,
@@ -152,6 +153,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
           f"{runs[0][0].gpus} simulated GPUs"
           + (f" ({len(trace.skipped)} rows skipped)" if trace.skipped else ""))
     print(format_table([m for m, _ in runs]))
+    thrash = format_preemptions([m for m, _ in runs])
+    if thrash:
+        print(thrash)
     refused = {m.policy: m.rejected_decisions for m, _ in runs if m.rejected_decisions}
     if refused:
         print(f"decisions refused by the simulator: {refused}", file=sys.stderr)

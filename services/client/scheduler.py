@@ -55,6 +55,10 @@ class QueueItem(msgspec.Struct, frozen=True, kw_only=True):
     staged_on: str = ""  # ready pool: inputs read ahead on this node
     staging_on: str = ""  # ready pool: being read ahead on this node
     explanation: dict[str, Any] | None = None
+    preemptions: int = 0  # times this step was preempted, all attempts
+    fruitless_preemptions: int = 0  # latest ones in a row before any checkpoint
+    #: A placed task: why it may not be preempted now ("" if it may, and when waiting).
+    protected: str = ""
 
 
 def _maintenance(message: pb.NodeMaintenance) -> NodeMaintenance:
@@ -70,8 +74,9 @@ def _item(message: pb.QueueEntry) -> QueueItem:
         gpus=message.gpus, cpus=message.cpus, state=message.state, node_id=message.node_id,
         queued_at=message.queued_at, reason=message.reason, score=message.score,
         tier=message.tier, lender=message.lender, staged_on=message.staged_on,
-        staging_on=message.staging_on,
-        explanation=explanation)
+        staging_on=message.staging_on, explanation=explanation,
+        preemptions=message.preemptions,
+        fruitless_preemptions=message.fruitless_preemptions, protected=message.protected)
 
 
 class SchedulerClient:

@@ -68,12 +68,17 @@ class SchedulerSection(msgspec.Struct, frozen=True, kw_only=True):
     min_runtime: Duration = 300.0  # younger tasks are not preempted
     preempt_grace: Duration = 60.0  # checkpoint-then-stop: SIGKILL after this
     preemption: bool = True
+    # A task whose last this-many attempts were each preempted before committing a
+    # checkpoint is not preempted again until its current attempt commits one. 0: off.
+    max_fruitless_preemptions: Annotated[int, msgspec.Meta(ge=0, le=1000)] = 3
     backfill: bool = True
     ready_pool: Annotated[int, msgspec.Meta(ge=0, le=1000)] = 2
     max_pause: Duration = 600.0  # a paused preemptible backfill is preempted after this
     # Least-attained-service among peers: a task that has held less than this many
     # GPU-hours may preempt a preemptible peer that has held more. 0: off.
     peer_yield_gpu_hours: Annotated[float, msgspec.Meta(ge=0.0)] = 4.0
+    # Prometheus /metrics (preemptions, decisions); port 0: a free one; empty: off.
+    metrics_bind: str = "127.0.0.1:0"
 
 
 class PerformanceSection(msgspec.Struct, frozen=True, kw_only=True):

@@ -318,6 +318,11 @@ class EnqueueTask(_Message, frozen=True, tag="enqueue_task"):
     #: and the GPU-seconds its earlier attempts held (aging, "long holders yield").
     queued_at: float = 0.0
     attained_gpu_s: float = 0.0
+    #: Times this step was preempted (or moved off a draining node), all attempts together.
+    preemptions: int = 0
+    #: Consecutive latest preemptions whose attempt had committed no checkpoint (no durable
+    #: progress); 0 after one that had. The policy stops preempting a task that thrashes.
+    fruitless_preemptions: int = 0
 
 
 class CancelTask(_Message, frozen=True, tag="cancel_task"):

@@ -102,6 +102,12 @@ class StepRecord(msgspec.Struct, frozen=True, kw_only=True):
     failures: int = 0
     infra_failures: int = 0
     preemptions: int = 0  # requeued after a preemption or drain (uses no retry budget)
+    #: Consecutive latest preemptions whose attempt had committed no checkpoint; what the
+    #: scheduler's thrash protection reads (`[scheduler] max_fruitless_preemptions`).
+    fruitless_preemptions: int = 0
+    #: The latest attempt a `checkpoint_committed` was seen for (0: none): whether the
+    #: attempt a preemption ends made durable progress.
+    checkpointed_attempt: int = 0
     node_id: str | None = None
     gpu_ids: tuple[int, ...] = ()
     gpu_share: float = 0.0
@@ -241,3 +247,4 @@ class ServiceInfo(msgspec.Struct, frozen=True, kw_only=True):
     host: str
     started_at: float
     version: str = ""
+    metrics_address: str = ""  # Prometheus /metrics, host:port ("" : none)

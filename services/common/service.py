@@ -107,8 +107,9 @@ class ServiceRuntime:
             task.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
 
-    async def ready(self) -> None:
-        """Mark the service ready everywhere that watches for it."""
+    async def ready(self, metrics_address: str = "") -> None:
+        """Mark the service ready everywhere that watches for it (with the address of its
+        Prometheus /metrics, if it serves one, for scrapers and tests to find)."""
         if self.grpc is None:
             await self.serve_grpc()
         assert self.grpc is not None
@@ -116,7 +117,7 @@ class ServiceRuntime:
         info = ServiceInfo(name=self.name, instance=self.instance,
                            grpc_address=self.grpc.address, pid=os.getpid(),
                            host=socket.gethostname(), started_at=self.started_at,
-                           version=__version__)
+                           version=__version__, metrics_address=metrics_address)
         await self.nats.kv_put(subjects.SERVICES_BUCKET,
                                subjects.service_key(self.name, self.instance), info)
         if self.args.ready_file:

@@ -30,6 +30,7 @@ from m27.common import events, subjects
 from m27.common.bus import Bus, consume, decode_or_poison
 from m27.common.config import NodeSection
 from m27.common.logging import bind_contextvars, get_logger
+from m27.common.metrics import MetricsServer
 from m27.common.model import GpuSample, NodeInfo
 from m27.common.paths import m27_home
 from m27.common.service import ServiceRuntime
@@ -37,7 +38,6 @@ from m27.node_agent._backends import Backend, open_backend
 from m27.node_agent._cli import check_settings, cpu_slots, gpu_spec, resolve_node_id
 from m27.node_agent._isolation import detect_cgroups, mps_running
 from m27.node_agent._lease import Lease, monotonic, start_guard, stop_guard
-from m27.node_agent._metrics import MetricsServer
 from m27.node_agent._node_api import SERVICE_NAME as NODE_SERVICE
 from m27.node_agent._node_api import NodeServicer, nothing_running, running_check
 from m27.node_agent._runner import FileCheckpoints, TaskRunner

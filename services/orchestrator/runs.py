@@ -191,7 +191,8 @@ def _enqueue(run: RunRecord, step: StepRecord, now: float,
         workdir=step_workdir(run, step), env=dict(step.env),
         checkpoint_interval_s=step.checkpoint_interval_s, timeout_s=step.timeout_s,
         outputs=step.outputs, preemptible=step.preemptible, not_before=not_before,
-        checkpoint_signal=step.checkpoint_signal, inputs=paths_read(run, step))
+        checkpoint_signal=step.checkpoint_signal, inputs=paths_read(run, step),
+        preemptions=step.preemptions, fruitless_preemptions=step.fruitless_preemptions)
 
 
 def resolve_cache(stored: StoredRun, name: str, key: str, hit: CacheHit | None,
@@ -298,12 +299,32 @@ def _requeue_preempted(change: _Change, step: StepRecord, record: AttemptRecord,
     change.set_step(step.name, "retrying",
                     f"{record.reason}; requeued with its priority (preemption "
                     f"{step.preemptions + 1}, no retry budget used)",
-                    attempt=step.attempt + 1, preemptions=step.preemptions + 1, **fields)
+                    attempt=step.attempt + 1, preemptions=step.preemptions + 1,
+                    fruitless_preemptions=fruitless_after_preemption(step), **fields)
     now_step = change.steps[step.name]
     enqueue = _enqueue(change.run, now_step, change.now)
     change.emit(subjects.SCHEDULER_COMMANDS, replace(
         enqueue, queued_at=step.queued_at or change.now,
         attained_gpu_s=attained_gpu_s(step, now_step.history)))
+
+
+def fruitless_after_preemption(step: StepRecord) -> int:
+    """An attempt preempted before it committed a checkpoint lost all its work: one more in
+    a row; one that had committed made progress, and the count starts again."""
+    return 0 if step.checkpointed_attempt == step.attempt else step.fruitless_preemptions + 1
+
+
+def record_checkpoint(stored: StoredRun, name: str, attempt: int) -> StoredRun | None:
+    """The checkpoint-store committed a checkpoint of attempt `attempt` of step `name`: if
+    that is the current attempt, a later preemption of it is not fruitless. (Another
+    attempt's, or a repeat: no change.)"""
+    step = stored.run.step(name)
+    if (step is None or attempt != step.attempt or step.state in TERMINAL_STEP_STATES
+            or step.checkpointed_attempt == attempt):
+        return None
+    return replace(stored, run=replace(stored.run, steps=tuple(
+        replace(s, checkpointed_attempt=attempt) if s.name == name else s
+        for s in stored.run.steps)))
 
 
 def _succeeded(event: events.TaskExited) -> bool:

@@ -18,8 +18,10 @@ from m27.scheduler._state import (
     MaintenanceState,
     TaskEntry,
     UnknownNode,
+    running_of,
     tier_of,
 )
+from m27.scheduler.model import PolicySettings
 from m27.v1 import scheduler_pb2 as pb
 from m27.v1 import scheduler_pb2_grpc as pb_grpc
 
@@ -49,7 +51,15 @@ def entry_state(entry: TaskEntry) -> str:
     return "paused" if entry.paused else "running"
 
 
-def entry_to_proto(entry: TaskEntry, explanation: policy.Explanation | None) -> pb.QueueEntry:
+def protected(entry: TaskEntry, now: float, settings: PolicySettings) -> str:
+    """Why the policy may not preempt this placed task now ("" if it may; "" for a waiting
+    one, which holds nothing to preempt)."""
+    running = running_of(entry)
+    return "" if running is None else policy.protection(running, now, settings)
+
+
+def entry_to_proto(entry: TaskEntry, explanation: policy.Explanation | None,
+                   protection: str = "") -> pb.QueueEntry:
     task = entry.task
     placement = entry.placement
     message = pb.QueueEntry(
@@ -59,8 +69,8 @@ def entry_to_proto(entry: TaskEntry, explanation: policy.Explanation | None) -> 
         node_id=placement.node_id if placement else "", queued_at=entry.queued_at,
         reason=entry.wait_reason if placement is None else entry.stopping,
         lender=placement.lender if placement else "", staged_on=entry.staged_on,
-        staging_on=entry.staging_on,
-        tier=tier_of(task))
+        staging_on=entry.staging_on, tier=tier_of(task), preemptions=task.preemptions,
+        fruitless_preemptions=task.fruitless_preemptions, protected=protection)
     if explanation is not None:
         message.score = explanation.score.total
         message.explanation_json = msgspec.json.encode(explanation).decode()
@@ -117,5 +127,7 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
                                         e.task.task_id))
         placed = sorted((e for e in entries if e.placement is not None),
                         key=lambda e: (e.placed_at, e.task.task_id))
+        settings = scheduler.settings
         return pb.ListQueueResponse(now=now, tasks=[
-            entry_to_proto(e, explained.get(e.task.task_id)) for e in [*waiting, *placed]])
+            entry_to_proto(e, explained.get(e.task.task_id), protected(e, now, settings))
+            for e in [*waiting, *placed]])

@@ -17,6 +17,7 @@ from m27.common import events, subjects
 from m27.common.bus import Bus
 from m27.common.logging import get_logger
 from m27.common.model import Fence, NodeInfo
+from m27.scheduler._metrics import SchedulerMetrics, preemption_kind
 from m27.scheduler._state import Placement, TaskEntry
 from m27.scheduler.model import MILLI_PER_GPU, Decision, Pause, Place, Preempt, Resume, Stage, Wait
 
@@ -47,49 +48,57 @@ class Table:
 
 
 class Effects:
-    """Applies decisions to the table and the bus."""
+    """Applies decisions to the table and the bus, and counts what it carried out."""
 
-    def __init__(self, bus: Bus, table: Table) -> None:
+    def __init__(self, bus: Bus, table: Table,
+                 metrics: SchedulerMetrics | None = None) -> None:
         self.bus = bus
         self.table = table
+        self.metrics = metrics or SchedulerMetrics()
 
     async def apply(self, decision: Decision, nodes: Mapping[str, NodeInfo],
-                    now: float) -> None:
+                    now: float) -> bool:
+        """Carry the decision out; False when it had no effect (already done, or moot)."""
+        done = False
         match decision:
             case Place():
-                await self.place(decision, nodes, now)
+                done = await self.place(decision, nodes, now)
             case Preempt():
-                await self.preempt(decision, now)
+                done = await self.preempt(decision, now)
             case Pause() | Resume():
-                await self.signal(decision, now)
+                done = await self.signal(decision, now)
             case Stage():
-                await self.stage(decision, now)
+                done = await self.stage(decision, now)
             case Wait():
-                await self.wait(decision)
+                done = await self.wait(decision)
+        if done:
+            self.metrics.decided(decision)
+        return done
 
     # ------------------------------------------------------------ place
 
-    async def place(self, decision: Place, nodes: Mapping[str, NodeInfo], now: float) -> None:
+    async def place(self, decision: Place, nodes: Mapping[str, NodeInfo], now: float) -> bool:
         entry = self.table.current(decision.task_id, decision.attempt)
         node = nodes.get(decision.node_id)
         if entry is None or entry.placement is not None or node is None:
-            return  # already placed (a decision made twice), or gone meanwhile
+            return False  # already placed (a decision made twice), or gone meanwhile
         task = entry.task
         if not await self._fence(task, decision.node_id, now):
             log.warning("task.stale_enqueue", task_id=task.task_id, attempt=task.attempt)
             await self.table.forget(task.task_id)
-            return
+            return False
         placement = Placement(task_id=task.task_id, attempt=task.attempt,
                               node_id=decision.node_id, gpu_ids=decision.gpu_ids,
                               gpu_milli=decision.gpu_milli if decision.gpu_ids else 0,
                               cpus=task.resources.cpus, lender=decision.lender)
         await self.table.store(msgspec.structs.replace(
             entry, placement=placement, placed_at=now, wait_reason="", idle=False,
-            paused=False, stopping=""))
+            paused=False, stopping="", stopping_for=""))
         await self._send_start(task, placement, node, decision.reason, now)
         log.info("task.placed", task_id=task.task_id, node_id=placement.node_id,
                  gpu_ids=list(placement.gpu_ids), gpu_milli=placement.gpu_milli,
                  lender=placement.lender, reason=decision.reason)
+        return True
 
     async def _send_start(self, task: events.EnqueueTask, placement: Placement,
                           node: NodeInfo, reason: str, now: float) -> None:
@@ -130,12 +139,12 @@ class Effects:
 
     # ------------------------------------------------------------ preempt, pause, resume
 
-    async def preempt(self, decision: Preempt, now: float) -> None:
+    async def preempt(self, decision: Preempt, now: float) -> bool:
         """Checkpoint-then-stop: the agent sends SIGTERM (m27.train and `checkpoint:` steps
         save on it), SIGKILL after the grace, and reports cause `preempted`."""
         entry = self.table.current(decision.task_id, decision.attempt)
         if entry is None or entry.placement is None or entry.stopping:
-            return
+            return False
         stop = events.StopTask(at=now, task_id=decision.task_id, attempt=decision.attempt,
                                grace_s=decision.grace_s, reason=decision.reason,
                                cause="preempted")
@@ -150,17 +159,27 @@ class Effects:
                                           "preempt-resume")
         await self.bus.publish(subjects.node_commands(entry.placement.node_id), stop,
                                msg_id=f"{decision.task_id}:{decision.attempt}:preempt")
-        await self.table.store(msgspec.structs.replace(entry, stopping=decision.reason))
+        await self.table.store(msgspec.structs.replace(entry, stopping=decision.reason,
+                                                       stopping_for=decision.for_task))
+        kind = preemption_kind(decision, entry.placement.lender)
+        total = self.metrics.preempted(kind)
+        # Thrash shows here: the task's own count (this one included) and how many of its
+        # latest preemptions in a row found no checkpoint, next to the scheduler's total.
         log.info("task.preempted", task_id=decision.task_id, node_id=entry.placement.node_id,
-                 for_task=decision.for_task, grace_s=decision.grace_s, reason=decision.reason)
+                 for_task=decision.for_task, kind=kind, grace_s=decision.grace_s,
+                 preemptions=entry.task.preemptions + 1,
+                 fruitless_preemptions=entry.task.fruitless_preemptions,
+                 checkpointed=entry.last_checkpoint_at is not None,
+                 preemptions_total=total, reason=decision.reason)
+        return True
 
-    async def signal(self, decision: Pause | Resume, now: float) -> None:
+    async def signal(self, decision: Pause | Resume, now: float) -> bool:
         """SIGSTOP / SIGCONT through the agent; a repeat of the current state is skipped."""
         pause = isinstance(decision, Pause)
         entry = self.table.current(decision.task_id, decision.attempt)
         if (entry is None or entry.placement is None or entry.stopping
                 or entry.paused == pause):
-            return
+            return False
         count = entry.signals + 1
         command: events.PauseTask | events.ResumeTask = (
             events.PauseTask(at=now, task_id=decision.task_id, attempt=decision.attempt,
@@ -174,24 +193,25 @@ class Effects:
             entry, paused=pause, signals=count, paused_at=now if pause else None))
         log.info(f"task.{verb}_sent", task_id=decision.task_id,
                  node_id=entry.placement.node_id, reason=decision.reason)
+        return True
 
     # ------------------------------------------------------------ stage, wait
 
-    async def stage(self, decision: Stage, now: float) -> None:
+    async def stage(self, decision: Stage, now: float) -> bool:
         """Ready pool: the chosen node's agent reads the task's inputs ahead and answers
         `task_staged`, which sets `staged_on` (the policy then prefers that node). A task
         that reads nothing is staged at once."""
         entry = self.table.current(decision.task_id)
         if (entry is None or entry.placement is not None
                 or decision.node_id in (entry.staged_on, entry.staging_on)):
-            return
+            return False
         task = entry.task
         if not task.inputs:
             await self.table.store(msgspec.structs.replace(
                 entry, staged_on=decision.node_id, staging_on=""))
             log.info("task.staged", task_id=task.task_id, node_id=decision.node_id,
                      files=0, note="it declares no inputs: nothing to read ahead")
-            return
+            return True
         await self.bus.publish(subjects.node_commands(decision.node_id), events.StageTask(
             at=now, task_id=task.task_id, run_id=task.run_id, step=task.step,
             attempt=task.attempt, inputs=task.inputs, reason=decision.reason),
@@ -199,11 +219,13 @@ class Effects:
         await self.table.store(msgspec.structs.replace(entry, staging_on=decision.node_id))
         log.info("task.stage_sent", task_id=task.task_id, node_id=decision.node_id,
                  inputs=len(task.inputs), reason=decision.reason)
+        return True
 
-    async def wait(self, decision: Wait) -> None:
+    async def wait(self, decision: Wait) -> bool:
+        """Stored (and counted) only when the reason changes: waiting is the usual state."""
         entry = self.table.current(decision.task_id)
-        if entry is None or entry.placement is not None:
-            return
-        if entry.wait_reason != decision.reason:
-            log.info("task.waiting", task_id=decision.task_id, reason=decision.reason)
-            await self.table.store(msgspec.structs.replace(entry, wait_reason=decision.reason))
+        if entry is None or entry.placement is not None or entry.wait_reason == decision.reason:
+            return False
+        log.info("task.waiting", task_id=decision.task_id, reason=decision.reason)
+        await self.table.store(msgspec.structs.replace(entry, wait_reason=decision.reason))
+        return True

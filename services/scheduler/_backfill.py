@@ -23,6 +23,7 @@ from m27.scheduler.model import Decision, Pause, Resume, Running
 def lenders(running: Sequence[Running]) -> dict[str, tuple[Running, int]]:
     """Running tasks whose share is idle, by task id, with the milli-GPU of it not lent yet
     (several backfills may share one lender, up to its share)."""
+    alive = {r.job.task_id for r in running}
     lent: dict[str, int] = {}
     for r in running:
         if r.lender:
@@ -30,7 +31,10 @@ def lenders(running: Sequence[Running]) -> dict[str, tuple[Running, int]]:
     out: dict[str, tuple[Running, int]] = {}
     for r in running:
         free = r.gpu_milli - lent.get(r.job.task_id, 0)
-        if (r.idle and not r.lender and not r.stopping and not r.paused and r.gpu_ids
+        # A backfill whose lender ended holds its own share (the service keeps the lender's
+        # name, the simulator clears it): it may lend like any other task.
+        borrows = bool(r.lender) and r.lender in alive
+        if (r.idle and not borrows and not r.stopping and not r.paused and r.gpu_ids
                 and free > 0):
             out[r.job.task_id] = (r, free)
     return out

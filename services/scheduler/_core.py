@@ -316,6 +316,9 @@ def _backfill_into(cycle: _Cycle, queued: Queued, req: Request) -> bool:
     if lender is None:
         return False
     _backfill.lend(cycle.idle, lender, req.milli)
+    # A lender with a tenant placed now is no victim this cycle: the tenant is not among
+    # its known tenants, so it would be left to inherit the share.
+    cycle.victims = [v for v in cycle.victims if v.running.job.task_id != lender.job.task_id]
     packer = cycle.packer
     node = packer.index[lender.node_id]
     col = packer.col_of(node, lender.gpu_ids[0])

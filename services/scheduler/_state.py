@@ -65,6 +65,9 @@ class TaskEntry(msgspec.Struct, frozen=True, kw_only=True):
     paused_at: float | None = None
     signals: int = 0  # pause/resume commands sent: each gets its own message id
     stopping: str = ""  # the reason of the stop already sent (preemption, drain)
+    #: The queued task that stop was sent for ("" for a drain): while this one stops, its
+    #: capacity is counted for that task only (`Running.stopping_for`).
+    stopping_for: str = ""
     staging_on: str = ""  # ready pool: StageTask sent to this node, no task_staged yet
     staged_on: str = ""  # ready pool: its inputs are read ahead on this node (task_staged)
     last_checkpoint_at: float | None = None  # this attempt's latest checkpoint_committed
@@ -121,6 +124,7 @@ def _settings(config: Config) -> PolicySettings:
         memory_overprovision=config.performance.memory_overprovision,
         max_temperature_c=section.max_temperature, min_runtime_s=section.min_runtime,
         preempt_grace_s=section.preempt_grace, preemption=section.preemption,
+        max_fruitless_preemptions=section.max_fruitless_preemptions,
         backfill=section.backfill, ready_pool=section.ready_pool,
         max_pause_s=section.max_pause, peer_yield_gpu_h=section.peer_yield_gpu_hours)
 
@@ -140,7 +144,8 @@ def job_of(task: EnqueueTask) -> Job:
                gpu_memory_mb=resources.gpu_memory_mb, cpu_milli=resources.cpus * 1000,
                memory_mb=resources.memory_mb, urgency=task.urgency, user=task.user,
                preemptible=task.preemptible, tier=tier_of(task),
-               checkpoints=task.checkpoint_interval_s is not None or task.preemptible)
+               checkpoints=task.checkpoint_interval_s is not None or task.preemptible,
+               fruitless_preemptions=task.fruitless_preemptions)
 
 
 def _gpu(info: NodeInfo, index: int, memory_mb: int, simulated: bool, model: str) -> Gpu:
@@ -173,8 +178,12 @@ def running_of(entry: TaskEntry) -> Running | None:
                    started_at=started, queued_at=entry.queued_at,
                    attained_gpu_s=entry.attained_gpu_s, idle=entry.idle, paused=entry.paused,
                    lender=placement.lender, stopping=bool(entry.stopping),
+                   stopping_for=entry.stopping_for if entry.stopping else "",
                    paused_at=entry.paused_at if entry.paused else None,
-                   last_checkpoint_at=entry.last_checkpoint_at)
+                   last_checkpoint_at=entry.last_checkpoint_at,
+                   # Placed but not started yet: the agent is still preparing the attempt
+                   # (restoring its checkpoint files), so it is not preempted yet.
+                   staging=not entry.started, computing_since=entry.started_at)
 
 
 def cluster_state(nodes: Iterable[NodeView], maintenance: Mapping[str, Maintenance],

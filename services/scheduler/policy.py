@@ -20,14 +20,14 @@ import msgspec
 
 from m27.common.events import EnqueueTask
 from m27.common.model import TENTHS_PER_GPU, GpuInfo, Urgency
-from m27.scheduler._core import Explanation, decide, explain
+from m27.scheduler._core import Explanation, decide, explain, protection
 from m27.scheduler._packing import Packer, Request, request_of, typical_demand
 from m27.scheduler._priority import Score
 
 __all__ = [
     "URGENCY_RANK", "Decision", "Explanation", "Node", "Packer", "Place", "Placement",
     "QueuedTask", "Request", "Score", "Wait", "decide", "explain", "is_alive",
-    "queue_order", "request_of", "schedule", "typical_demand",
+    "protection", "queue_order", "request_of", "schedule", "typical_demand",
 ]
 
 URGENCY_RANK: Final[dict[Urgency, int]] = {"low": 0, "normal": 1, "high": 2, "urgent": 3}

@@ -21,7 +21,9 @@ from nats.aio.msg import Msg
 from m27.common import bus as bus_module
 from m27.common import events, subjects
 from m27.common.bus import Bus
+from m27.common.errors import ConfigError
 from m27.common.logging import bound_contextvars, get_logger
+from m27.common.metrics import MetricsServer
 from m27.common.model import NodeInfo
 from m27.common.service import ServiceRuntime
 from m27.scheduler import _api, policy
@@ -379,7 +381,25 @@ async def serve(rt: ServiceRuntime) -> None:
         filter_subject=subjects.TASK_EVENTS_ALL, handle=scheduler.on_task_event,
         stop=rt.stop), "task-events")
     rt.spawn(scheduler.loop(rt.stop), "decisions")
-    await rt.ready()
-    await rt.stop.wait()
+    metrics = await _start_metrics(rt.config.scheduler.metrics_bind, scheduler)
+    try:
+        await rt.ready(metrics_address=metrics[1] if metrics else "")
+        await rt.stop.wait()
+    finally:
+        if metrics:
+            await metrics[0].close()
     await heartbeats.unsubscribe()
     await node_events.unsubscribe()
+
+
+async def _start_metrics(bind: str, scheduler: Scheduler) -> tuple[MetricsServer, str] | None:
+    """Prometheus /metrics (preemptions, decisions), if `[scheduler] metrics_bind` is set."""
+    if not bind:
+        return None
+    try:
+        server = MetricsServer(bind, scheduler.effects.metrics.render)
+    except ValueError as exc:
+        raise ConfigError(f"[scheduler] metrics_bind = {bind!r}: {exc}") from exc
+    address = await server.start()
+    log.info("scheduler.metrics", address=f"http://{address}/metrics")
+    return server, address

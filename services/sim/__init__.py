@@ -6,7 +6,15 @@ The same `Policy` callables run here as in the scheduler service. docs/simulator
 from m27.sim._engine import SimConfig, simulate
 from m27.sim._errors import SimError, TraceError
 from m27.sim._generator import LabParams, generate_lab
-from m27.sim._metrics import JobOutcome, Metrics, RawRun, Sample, format_table, summarize
+from m27.sim._metrics import (
+    JobOutcome,
+    Metrics,
+    RawRun,
+    Sample,
+    format_preemptions,
+    format_table,
+    summarize,
+)
 from m27.sim._plots import jct_cdf_svg, utilization_svg
 from m27.sim._policies import POLICY_HELP, POLICY_NAMES, m27_policy, make_policy, policy_version
 from m27.sim._traces import read_jsonl, read_openb, read_philly, read_trace, write_jsonl
@@ -26,6 +34,7 @@ __all__ = [
     "Trace",
     "TraceError",
     "demand_bound",
+    "format_preemptions",
     "format_table",
     "generate_lab",
     "jct_cdf_svg",

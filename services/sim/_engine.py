@@ -85,6 +85,7 @@ class _Task:
     lender: str = ""
     ckpt_at: float | None = None
     ckpt_remaining: float = 0.0
+    attempt_remaining: float = 0.0  # `remaining` when this attempt started
     next_ckpt: float = math.inf
     rate: float = 1.0
     wake_at: float = math.inf
@@ -210,7 +211,8 @@ class _Sim:
         while task.next_ckpt <= to + EPS:
             into = task.next_ckpt - (to - dt)
             task.ckpt_remaining = before - (task.rate * into if task.busy else 0.0)
-            task.ckpt_at, task.view = task.next_ckpt, None
+            if task.ckpt_remaining < task.attempt_remaining - EPS:  # it kept some work
+                task.ckpt_at, task.view = task.next_ckpt, None
             task.next_ckpt += task.sim.checkpoint_s
 
     def step_states(self) -> None:
@@ -320,6 +322,7 @@ class _Sim:
         task.paused = task.stopping = False
         task.paused_at, task.stopping_for = None, ""
         task.ckpt_at, task.ckpt_remaining = None, task.remaining
+        task.attempt_remaining = task.remaining
         interval = task.sim.checkpoint_s
         task.next_ckpt = self.now + interval if interval > 0 else math.inf
         task.view, task.wake_at = None, math.inf

@@ -75,6 +75,13 @@ class Metrics(msgspec.Struct, frozen=True, kw_only=True):
     failures: int
     lost_gpu_h: float
     rejected_decisions: int
+    #: Preemptions by kind of task (`SimJob.kind`, "" unnamed), and the tasks preempted
+    #: most, most first (at most `MOST_PREEMPTED`): where thrash would show.
+    preemptions_by_kind: dict[str, int] = msgspec.field(default_factory=dict)
+    most_preempted: tuple[tuple[str, int], ...] = ()
+
+
+MOST_PREEMPTED = 5
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -109,7 +116,33 @@ def summarize(raw: RawRun, *, policy: str, trace: str) -> Metrics:
         night_done_by_9=len(by_nine),
         night_share=len(by_nine) / len(night) if night else None,
         preemptions=raw.preemptions, failures=raw.failures,
-        lost_gpu_h=raw.lost_gpu_s / 3600.0, rejected_decisions=sum(raw.rejected.values()))
+        lost_gpu_h=raw.lost_gpu_s / 3600.0, rejected_decisions=sum(raw.rejected.values()),
+        preemptions_by_kind=_by_kind(raw.outcomes),
+        most_preempted=tuple((o.task_id, o.preemptions) for o in sorted(
+            (o for o in raw.outcomes if o.preemptions),
+            key=lambda o: (-o.preemptions, o.task_id))[:MOST_PREEMPTED]))
+
+
+def _by_kind(outcomes: tuple[JobOutcome, ...]) -> dict[str, int]:
+    kinds: dict[str, int] = {}
+    for o in outcomes:
+        if o.preemptions:
+            kinds[o.kind] = kinds.get(o.kind, 0) + o.preemptions
+    return dict(sorted(kinds.items(), key=lambda kv: (-kv[1], kv[0])))
+
+
+def format_preemptions(rows: list[Metrics]) -> str:
+    """Per policy that preempted: preemptions by kind of task and the most preempted tasks,
+    e.g. `m27: 4 preemptions (prep 4); most preempted: prep-2 ×1, prep-3 ×1`."""
+    lines = []
+    for m in rows:
+        if not m.preemptions:
+            continue
+        kinds = ", ".join(f"{k or 'other'} {n}" for k, n in m.preemptions_by_kind.items())
+        most = ", ".join(f"{t} ×{n}" for t, n in m.most_preempted)
+        lines.append(f"{m.policy}: {m.preemptions} preemptions ({kinds}); most preempted: "
+                     f"{most}")
+    return "\n".join(lines)
 
 
 def jct_values(raw: RawRun) -> list[float]:

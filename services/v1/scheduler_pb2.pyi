@@ -159,6 +159,9 @@ class QueueEntry(_message.Message):
     STAGED_ON_FIELD_NUMBER: _builtins.int
     TIER_FIELD_NUMBER: _builtins.int
     STAGING_ON_FIELD_NUMBER: _builtins.int
+    PREEMPTIONS_FIELD_NUMBER: _builtins.int
+    FRUITLESS_PREEMPTIONS_FIELD_NUMBER: _builtins.int
+    PROTECTED_FIELD_NUMBER: _builtins.int
     task_id: _builtins.str
     run_id: _builtins.str
     step: _builtins.str
@@ -183,6 +186,17 @@ class QueueEntry(_message.Message):
     tier: _builtins.str
     staging_on: _builtins.str
     """Ready pool: the node asked to read its inputs ahead, not done yet."""
+    preemptions: _builtins.int
+    """Times this step was preempted (or moved off a draining node), all attempts together."""
+    fruitless_preemptions: _builtins.int
+    """How many of its latest preemptions in a row came before its attempt had committed a
+    checkpoint (no durable progress); at [scheduler] max_fruitless_preemptions it is
+    protected until its current attempt commits one.
+    """
+    protected: _builtins.str
+    """A running (or paused, stopping) task: why the policy may not preempt it now, e.g.
+    "computing 40 s < min runtime 300 s"; "" when it may be preempted, and for waiting tasks.
+    """
     def __init__(
         self,
         *,
@@ -204,10 +218,13 @@ class QueueEntry(_message.Message):
         staged_on: _builtins.str = ...,
         tier: _builtins.str = ...,
         staging_on: _builtins.str = ...,
+        preemptions: _builtins.int = ...,
+        fruitless_preemptions: _builtins.int = ...,
+        protected: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "cpus", b"cpus", "explanation_json", b"explanation_json", "gpus", b"gpus", "lender", b"lender", "node_id", b"node_id", "queued_at", b"queued_at", "reason", b"reason", "run_id", b"run_id", "score", b"score", "staged_on", b"staged_on", "staging_on", b"staging_on", "state", b"state", "step", b"step", "task_id", b"task_id", "tier", b"tier", "urgency", b"urgency", "user", b"user"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "cpus", b"cpus", "explanation_json", b"explanation_json", "fruitless_preemptions", b"fruitless_preemptions", "gpus", b"gpus", "lender", b"lender", "node_id", b"node_id", "preemptions", b"preemptions", "protected", b"protected", "queued_at", b"queued_at", "reason", b"reason", "run_id", b"run_id", "score", b"score", "staged_on", b"staged_on", "staging_on", b"staging_on", "state", b"state", "step", b"step", "task_id", b"task_id", "tier", b"tier", "urgency", b"urgency", "user", b"user"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -39,8 +39,9 @@ def test_explain_breaks_the_score_down_and_says_why_it_waits() -> None:
     assert lines[2].strip() == ("score 165.0 = urgency 100 + level 40 + aging 25 − held 0 "
                                 "(user level pi)")
     assert "staged_on: n1 (ready pool: the node chosen for it)" in lines[4]
-    assert lines[-1].split()[1:3] == ["r/a", "running"]
-    assert lines[-1].endswith("n2 (backfill into r/m)")
+    assert lines[-2].split()[1:3] == ["r/a", "running"]
+    assert lines[-2].endswith("n2 (backfill into r/m)")
+    assert lines[-1].strip() == "may be preempted now"  # a running task: its protection
     assert score_line({"action": "wait"}) is None
     assert render_queue([], 0.0, False) == ["the queue is empty: nothing waits or runs"]
 
@@ -50,6 +51,22 @@ def test_the_ready_pool_shows_where_inputs_are_being_or_have_been_staged() -> No
                                    now=200.0, explain=False)[1:]
     assert staging.endswith("[ready pool: staging inputs on n1]")
     assert staged.endswith("[ready pool: inputs staged on n2]")
+
+
+def test_preemptions_are_shown_and_explain_says_why_a_running_task_is_protected() -> None:
+    thrashed = item(task_id="r/a", state="running", node_id="n1", preemptions=3,
+                    fruitless_preemptions=3,
+                    protected="preempted 3 times without progress: protected until it "
+                              "commits a checkpoint")
+    waiting = item(preemptions=1)
+    _, running, queued = render_queue([thrashed, waiting], now=200.0, explain=False)
+    assert running.endswith("n1 [preempted 3×, 3 in a row before any checkpoint]")
+    assert queued.endswith("largest free slice is 0.30 [preempted 1×]")
+    assert "preempted" not in render_queue([item()], now=200.0, explain=False)[1]
+    explained = render_queue([thrashed, waiting], now=200.0, explain=True)
+    assert explained[2].strip() == ("protected: preempted 3 times without progress: "
+                                    "protected until it commits a checkpoint")
+    assert len(explained) == 4  # a waiting task without an explanation gets no lines
 
 
 def test_maintenance_says_whether_the_node_is_empty() -> None:

@@ -10,8 +10,9 @@ import urllib.request
 
 import pytest
 
+from m27.common.metrics import CONTENT_TYPE, MetricsServer, escape, split_bind
 from m27.common.model import GpuInfo, GpuProcess, GpuSample, TaskHolding
-from m27.node_agent._metrics import CONTENT_TYPE, MetricsServer, escape, render, split_bind
+from m27.node_agent._metrics import render
 
 H100 = GpuInfo(index=0, name="NVIDIA H100 80GB HBM3", uuid="GPU-abc", memory_total_mb=81920,
                simulated=False)

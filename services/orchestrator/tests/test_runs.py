@@ -362,3 +362,59 @@ pipeline:
     _, sent = flush(exited(stored, "prep", 0, 102))
     (train,) = [m for m in sent if isinstance(m, events.EnqueueTask)]
     assert train.inputs == ("/w/sub/config.yaml", "/abs/vocab.txt", "/w/shards")
+
+
+# ---------------------------------------------------------------- fruitless preemptions
+
+PREEMPTIBLE = "pipeline:\n  - {name: sweep, type: gpu, command: x, preemptible: true}\n"
+
+
+def committed(stored: runs.StoredRun, attempt: int) -> runs.StoredRun | None:
+    """The checkpoint-store's `checkpoint_committed` for that attempt of the sweep."""
+    return runs.record_checkpoint(stored, "sweep", attempt)
+
+
+def preempted(stored: runs.StoredRun, now: float) -> tuple[runs.StoredRun, events.EnqueueTask]:
+    """The sweep runs and is preempted; the run afterwards and its requeue."""
+    stored, _ = flush(started(stored, "sweep", now))
+    stored, sent = flush(exited(stored, "sweep", 143, now + 1, cause="preempted",
+                                reason="stopped: make room for r/urgent"))
+    (again,) = [m for m in sent if isinstance(m, events.EnqueueTask)]
+    return stored, again
+
+
+def test_preemptions_without_a_checkpoint_are_counted_and_one_after_a_checkpoint_resets() -> None:
+    """What the scheduler's thrash protection reads: every requeue carries how often the
+    step was preempted, and how many of the latest preemptions in a row found its attempt
+    without a committed checkpoint."""
+    stored, _ = flush(start(PREEMPTIBLE))
+    for n in (1, 2):  # preempted twice before it committed anything
+        stored, again = preempted(stored, 100.0 * n)
+        assert (again.attempt, again.preemptions, again.fruitless_preemptions) == (n + 1, n, n)
+    # a checkpoint of the attempt before does not count for this one
+    assert committed(stored, 2) is None
+    changed = committed(stored, 3)
+    assert changed is not None
+    assert committed(changed, 3) is None  # a repeat writes nothing
+    step = changed.run.step("sweep")
+    assert step is not None
+    assert (step.checkpointed_attempt, step.fruitless_preemptions) == (3, 2)
+    stored, again = preempted(changed, 300.0)
+    assert (again.attempt, again.preemptions, again.fruitless_preemptions) == (4, 3, 0)
+    stored, again = preempted(stored, 400.0)  # attempt 4 committed nothing
+    assert (again.preemptions, again.fruitless_preemptions) == (4, 1)
+    step = stored.run.step("sweep")
+    assert step is not None
+    assert (step.preemptions, step.fruitless_preemptions) == (4, 1)
+
+
+def test_a_failure_retry_carries_the_preemption_counts() -> None:
+    """A retry after a program failure is no preemption: the counts go along unchanged."""
+    text = ("pipeline:\n  - {name: sweep, type: gpu, command: x, preemptible: true, "
+            "retries: {failure: 1}}\n")
+    stored, _ = flush(start(text))
+    stored, _ = preempted(stored, 100.0)
+    stored, _ = flush(started(stored, "sweep", 200.0))
+    _, sent = flush(exited(stored, "sweep", 1, 201.0))
+    (again,) = [m for m in sent if isinstance(m, events.EnqueueTask)]
+    assert (again.attempt, again.preemptions, again.fruitless_preemptions) == (3, 1, 1)

@@ -42,12 +42,15 @@ def running(name: str, node_id: str, gpus: tuple[int, ...], milli: int, *,
             started: float = 0.0, queued_at: float = 0.0, idle: bool = False,
             paused: bool = False, lender: str = "", stopping: bool = False,
             last_checkpoint_at: float | None = None, paused_at: float | None = None,
-            **kw: Any) -> Running:
+            stopping_for: str = "", staging: bool = False,
+            computing_since: float | None = None, **kw: Any) -> Running:
     total = milli * len(gpus) if milli >= 1000 else milli
     return Running(job=job(name, total, **kw), node_id=node_id, gpu_ids=gpus,
                    gpu_milli=milli, started_at=started, queued_at=queued_at, idle=idle,
                    paused=paused, lender=lender, stopping=stopping,
-                   last_checkpoint_at=last_checkpoint_at, paused_at=paused_at)
+                   last_checkpoint_at=last_checkpoint_at, paused_at=paused_at,
+                   stopping_for=stopping_for, staging=staging,
+                   computing_since=computing_since)
 
 
 def state(*nodes: Node, running: tuple[Running, ...] = ()) -> ClusterState:

@@ -4,6 +4,7 @@ out a decision twice (a redelivery, a decision repeated after a restart) has one
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 from typing import Any, TypeVar
 
 import msgspec
@@ -11,10 +12,10 @@ import pytest
 from structlog.testing import capture_logs
 
 from m27.common import events
-from m27.common.config import Config, SchedulerSection
+from m27.common.config import Config, SchedulerSection, load_config
 from m27.common.errors import ConfigError
 from m27.common.model import GpuInfo, GpuSample, NodeInfo, Resources
-from m27.scheduler import policy, service
+from m27.scheduler import _api, policy, service
 from m27.scheduler._apply import Effects, Table
 from m27.scheduler._state import (
     Maintenance,
@@ -27,7 +28,16 @@ from m27.scheduler._state import (
     policy_settings,
     queue_of,
 )
-from m27.scheduler.model import Decision, Pause, Place, Preempt, Resume, Stage, Wait
+from m27.scheduler.model import (
+    Decision,
+    Pause,
+    Place,
+    PolicySettings,
+    Preempt,
+    Resume,
+    Stage,
+    Wait,
+)
 
 T = TypeVar("T")
 GPU = GpuInfo(index=0, name="m27 simulated GPU", uuid="SIM-0", memory_total_mb=16384,
@@ -86,6 +96,12 @@ def test_running_tasks_carry_their_idle_pause_and_lender_and_the_queue_keeps_que
             ) == (True, True, 12.0, "r/main", True)
     assert running.job.tier == "background"
     assert running.job.checkpoints
+    assert (running.staging, running.computing_since) == (False, 10.0)
+    # Placed, not started yet (the agent still restores its checkpoint): not preempted.
+    starting = msgspec.structs.replace(placed, started=False, started_at=None, stopping="")
+    (running,) = cluster_state([NodeView(info=info("n1"), alive=True)], {}, [starting]).running
+    assert running.staging
+    assert policy.protection(running, 1e9, PolicySettings()) == "staging its inputs"
     (queued,) = queue_of([waiting, placed, later], now=50.0)  # c waits for its backoff
     assert (queued.job.task_id, queued.queued_at, queued.attained_gpu_s) == ("r/b", 3.0, 7.0)
     assert (queued.job.gpu_milli, queued.job.gpu_memory_mb, queued.job.tier) == (
@@ -285,3 +301,67 @@ async def test_a_committed_checkpoint_of_the_current_attempt_reaches_the_policy(
     await scheduler._handle_task_event(committed(2, 30.0))  # an older one, late: ignored
     (running,) = cluster_state((), {}, scheduler.entries.values()).running
     assert running.last_checkpoint_at == 40.0
+
+
+# ---------------------------------------------------------------- thrash is visible
+
+
+def placed(name: str, lender: str = "", **fields: Any) -> TaskEntry:
+    return TaskEntry(task=task(name, preemptible=True, **fields), queued_at=1.0,
+                     started=True, started_at=10.0,
+                     placement=Placement(task_id=f"r/{name}", attempt=1, node_id="n1",
+                                         gpu_ids=(0,), gpu_milli=1000, lender=lender))
+
+
+async def test_a_preemption_is_stored_for_its_task_counted_by_kind_and_rendered(
+        shell: tuple[FakeBus, Table, Effects]) -> None:
+    """The stop's task reaches the policy as `stopping_for` (its capacity counts for that
+    task only); each stop sent is counted once, by kind, in the Prometheus text."""
+    _, table, effects = shell
+    for entry in (placed("a", preemptions=2, fruitless_preemptions=1),
+                  placed("t", lender="r/a"), placed("d")):
+        await table.store(entry)
+    room = Preempt(task_id="r/a", attempt=1, reason="make room", grace_s=5.0, for_task="r/u")
+    with capture_logs() as logs:
+        for decision in (room, room,
+                         Preempt(task_id="r/t", attempt=1, reason="tenant", grace_s=5.0,
+                                 for_task="r/u"),
+                         Preempt(task_id="r/d", attempt=1, reason="drain n1", grace_s=5.0)):
+            await effects.apply(decision, {}, 20.0)
+    assert table.entries["r/a"].stopping_for == "r/u"
+    by_id = {r.job.task_id: r for r in cluster_state((), {}, table.entries.values()).running}
+    assert (by_id["r/a"].stopping, by_id["r/a"].stopping_for) == (True, "r/u")
+    assert by_id["r/d"].stopping_for == ""  # a drain frees its capacity for anyone
+    assert effects.metrics.preemptions == {"preemption": 1, "backfill-tenant": 1, "drain": 1}
+    text = effects.metrics.render()
+    assert 'm27_scheduler_preemptions_total{kind="preemption"} 1\n' in text
+    assert 'm27_scheduler_preemptions_total{kind="drain"} 1\n' in text
+    assert 'm27_scheduler_decisions_total{type="preempt"} 3\n' in text
+    assert 'm27_scheduler_decisions_total{type="place"} 0\n' in text
+    assert "# TYPE m27_scheduler_preemptions_total counter\n" in text
+    first = next(e for e in logs if e["event"] == "task.preempted")
+    assert (first["kind"], first["preemptions"], first["fruitless_preemptions"],
+            first["preemptions_total"]) == ("preemption", 3, 1, 1)
+
+
+def test_the_thrash_counts_and_limit_reach_the_policy(tmp_path: Path) -> None:
+    assert job_of(task("x", fruitless_preemptions=2)).fruitless_preemptions == 2
+    settings = policy_settings(Config(scheduler=SchedulerSection(max_fruitless_preemptions=5)))
+    assert settings.max_fruitless_preemptions == 5
+    assert policy_settings(Config()).max_fruitless_preemptions == 3
+    loaded = load_config(tmp_path / "none", environ={
+        "M27_SCHEDULER_MAX_FRUITLESS_PREEMPTIONS": "0"})  # 0: no thrash protection
+    assert policy_settings(loaded.config).max_fruitless_preemptions == 0
+
+
+def test_the_queue_says_how_often_a_task_was_preempted_and_why_it_is_protected() -> None:
+    settings = PolicySettings(min_runtime_s=60.0, max_fruitless_preemptions=3)
+    young = placed("a", preemptions=4, fruitless_preemptions=3)
+    message = _api.entry_to_proto(young, None, _api.protected(young, 40.0, settings))
+    assert (message.preemptions, message.fruitless_preemptions) == (4, 3)
+    assert message.protected == "computing 30 s < min runtime 60 s"
+    assert "protected until it commits a checkpoint" in _api.protected(young, 100.0, settings)
+    checkpointed = msgspec.structs.replace(young, last_checkpoint_at=90.0)
+    assert _api.protected(checkpointed, 100.0, settings) == ""
+    waiting = TaskEntry(task=task("w", preemptions=1), queued_at=1.0)
+    assert _api.protected(waiting, 100.0, settings) == ""

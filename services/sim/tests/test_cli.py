@@ -97,3 +97,19 @@ def test_philly_window_through_the_cli(tmp_path: Path) -> None:
     wrong = simulate("--trace", str(lab(tmp_path)), "--days", "1")
     assert wrong.returncode == 1
     assert "Philly job table only" in wrong.stderr
+
+
+def test_preemptions_by_kind_and_the_most_preempted_tasks_are_printed() -> None:
+    """Thrash is visible: the minimal livelock case's preemptions, by kind and by task."""
+    trace = Path(__file__).parent / "minimal_livelock.jsonl"
+    result = simulate("--trace", str(trace), "--policy", "m27,fifo", "--hours", "24")
+    assert result.returncode == 0, result.stderr
+    (line,) = [x for x in result.stdout.splitlines() if x.startswith("m27:")]
+    assert "preemptions (prep " in line
+    assert "most preempted: prep-" in line
+    assert not [x for x in result.stdout.splitlines() if x.startswith("fifo:")]
+    body = json.loads(simulate("--trace", str(trace), "--policy", "m27", "--hours", "24",
+                               "--format", "json").stdout)
+    (run,) = body["runs"]
+    assert sum(run["preemptions_by_kind"].values()) == run["preemptions"]
+    assert all(count >= 1 for _, count in run["most_preempted"])

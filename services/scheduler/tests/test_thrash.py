@@ -1,0 +1,240 @@
+"""No preemption storms, by construction (docs/scheduling.md, "Thrash"). Each invariant
+has a table case and a hypothesis case over generated clusters:
+
+1. capacity freed by a preemption goes to its preemptor: a victim's backfills are stopped
+   with it, nothing is lent out of a task being stopped, and a stopping task's capacity
+   counts only for the task it was stopped for;
+2. no task is preempted while staging, before its minimum runtime (any tier), after
+   `max_fruitless_preemptions` fruitless attempts until it makes progress, or when it is
+   not preemptible;
+3. a paused backfill is stopped only for a waiting task, never on a timer alone.
+"""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from m27.scheduler.model import (
+    ClusterState,
+    Place,
+    PolicySettings,
+    Preempt,
+    Queued,
+    Running,
+)
+from m27.scheduler.policy import decide, protection
+from m27.scheduler.tests.support import node, preempted, queued, running, state, waits
+
+S = PolicySettings()
+NOW = 100_000.0
+OLD = NOW - 10 * S.min_runtime_s  # started long enough ago to be preempted
+
+
+def _lender_with_tenants(*, tenant_tier: str = "background") -> ClusterState:
+    """The livelock's shape: two background preprocessing tasks hold 0.4 GPU each, both in
+    I/O; each has a backfill running in its idle share."""
+    return state(node("n1", 1), running=(
+        running("prep-0", "n1", (0,), 400, tier="background", preemptible=True,
+                started=OLD, idle=True, gpu_memory_mb=3072),
+        running("prep-1", "n1", (0,), 400, tier="background", preemptible=True,
+                started=OLD, idle=True, gpu_memory_mb=3072),
+        running("prep-2", "n1", (0,), 400, tier=tenant_tier,
+                preemptible=tenant_tier == "background", started=OLD, idle=True,
+                lender="prep-0", gpu_memory_mb=3072),
+        running("prep-3", "n1", (0,), 400, tier="background", preemptible=True,
+                started=OLD, idle=True, lender="prep-1", gpu_memory_mb=3072)))
+
+
+# -- 1. freed capacity goes to the preemptor ---------------------------------------------
+
+def test_a_preempted_lenders_backfills_are_stopped_with_it() -> None:
+    md = queued("md-0", 1000, at=NOW, gpu_memory_mb=6144)
+    decisions = decide(_lender_with_tenants(), [md], NOW)
+    assert sorted(preempted(decisions)) == ["prep-0", "prep-1", "prep-2", "prep-3"]
+    assert all(d.for_task == "md-0" for d in decisions if isinstance(d, Preempt))
+    assert "md-0" in waits(decisions)
+
+
+def test_nothing_is_lent_out_of_a_lender_that_is_being_preempted() -> None:
+    """The requeued preprocessing tasks wait; before, they backfilled into the very tasks
+    preempted for the MD run, inherited the share when those stopped, and round it went."""
+    queue = [queued("md-0", 1000, at=NOW, gpu_memory_mb=6144),
+             *(queued(f"prep-{i}", 400, at=0.0, tier="background", preemptible=True,
+                      gpu_memory_mb=3072) for i in (4, 5))]
+    decisions = decide(_lender_with_tenants(), queue, NOW)
+    assert not [d for d in decisions if isinstance(d, Place)]
+    assert {"prep-4", "prep-5"} <= set(waits(decisions))
+
+
+def test_a_lender_whose_tenant_may_not_be_stopped_is_no_victim() -> None:
+    """Stopping prep-0 would hand its share to prep-2 (immediate, not preemptible), not to
+    md-0: prep-0 is left alone, and md-0 cannot get a whole GPU here."""
+    cluster = _lender_with_tenants(tenant_tier="immediate")
+    decisions = decide(cluster, [queued("md-0", 1000, at=NOW, gpu_memory_mb=6144)], NOW)
+    assert not {"prep-0", "prep-2"} & set(preempted(decisions))
+    assert "md-0" in waits(decisions)
+
+
+def test_a_stopping_tasks_capacity_counts_only_for_the_task_it_was_stopped_for() -> None:
+    cluster = state(node("n1", 1), running=(
+        running("bg", "n1", (0,), 1000, tier="background", preemptible=True, started=OLD,
+                stopping=True, stopping_for="first"),))
+    both = [queued("first", 1000, at=10.0), queued("second", 1000, at=NOW, urgency="urgent")]
+    why = waits(decide(cluster, both, NOW))
+    assert "waiting for" not in why["second"]  # urgent, considered first, but not its GPU
+    assert "waiting for 1 preempted task" in why["first"]
+    # Once `first` is gone (cancelled, or placed elsewhere), anyone may count on it.
+    only = decide(cluster, [both[1]], NOW)
+    assert "waiting for 1 preempted task" in waits(only)["second"]
+
+
+# -- 2. protection ------------------------------------------------------------------------
+
+def _victim(**kw: object) -> Running:
+    base: dict[str, object] = {"tier": "background", "preemptible": True, "started": OLD}
+    base.update(kw)
+    return running("v", "n1", (0,), 1000, **base)  # type: ignore[arg-type]
+
+
+def test_protection_rules_table() -> None:
+    young = NOW - S.min_runtime_s / 2
+    cases: list[tuple[Running, str]] = [
+        (_victim(), ""),
+        (_victim(staging=True), "staging its inputs"),
+        (_victim(started=young), "min runtime"),
+        # min runtime counts from the end of staging, not from the start of the attempt
+        (_victim(computing_since=young), "min runtime"),
+        (_victim(tier="immediate", preemptible=False), "not preemptible"),
+        (_victim(fruitless_preemptions=S.max_fruitless_preemptions), "without progress"),
+        (_victim(fruitless_preemptions=S.max_fruitless_preemptions,
+                 last_checkpoint_at=NOW - 10), ""),  # it made progress: preemptible again
+        (_victim(fruitless_preemptions=S.max_fruitless_preemptions - 1), ""),
+        (_victim(stopping=True), "already stopping"),
+    ]
+    for victim, why in cases:
+        got = protection(victim, NOW, S)
+        assert (why in got) if why else got == "", (victim, got)
+        decisions = decide(state(node("n1", 1), running=(victim,)),
+                           [queued("urgent", 1000, at=NOW, urgency="urgent")], NOW)
+        assert ("v" in preempted(decisions)) == (why == ""), (victim, decisions)
+
+
+# -- 3. paused backfills -----------------------------------------------------------------
+
+def test_a_long_paused_backfill_is_preempted_only_for_a_task_that_needs_its_memory() -> None:
+    cluster = state(node("n1", 1, gpu_mem=16_384), running=(
+        running("main", "n1", (0,), 500, started=OLD),
+        running("bf", "n1", (0,), 500, lender="main", paused=True,
+                paused_at=NOW - 2 * S.max_pause_s, preemptible=True, tier="background",
+                started=OLD, gpu_memory_mb=8192)))
+    assert preempted(decide(cluster, [], NOW)) == []
+    # The free half of the GPU has 0 GiB left beside main's 8 and bf's 8: the share's
+    # memory is what the paused backfill holds.
+    decisions = decide(cluster, [queued("w", 500, at=NOW, gpu_memory_mb=8192)], NOW)
+    assert preempted(decisions) == ["bf"]
+    recent = ClusterState(nodes=cluster.nodes, running=(
+        cluster.running[0],
+        running("bf", "n1", (0,), 500, lender="main", paused=True, paused_at=NOW - 10,
+                preemptible=True, tier="background", started=OLD, gpu_memory_mb=8192)))
+    assert preempted(decide(recent, [queued("w", 500, at=NOW, gpu_memory_mb=8192)],
+                            NOW)) == []
+
+
+# -- hypothesis: the invariants over generated clusters ----------------------------------
+
+@st.composite
+def busy_clusters(draw: st.DrawFn) -> tuple[ClusterState, list[Queued]]:
+    """One or two nodes full of preemptible work in every state a victim can be in, some
+    of it lending its idle share to backfills, and a queue that wants it."""
+    nodes = [node(f"n{i}", draw(st.integers(1, 3))) for i in range(draw(st.integers(1, 2)))]
+    run: list[Running] = []
+    for n in nodes:
+        for gpu in n.gpus:
+            name = f"r-{n.node_id}-{gpu.index}"
+            milli = draw(st.sampled_from([300, 500, 1000]))
+            run.append(running(
+                name, n.node_id, (gpu.index,), milli,
+                started=NOW - draw(st.sampled_from([10.0, 200.0, 5000.0])),
+                computing_since=draw(st.sampled_from([None, NOW - 30.0])),
+                staging=draw(st.booleans()), idle=draw(st.booleans()),
+                tier=draw(st.sampled_from(["background", "immediate"])),
+                preemptible=draw(st.booleans()), urgency=draw(st.sampled_from(["low",
+                                                                               "normal"])),
+                fruitless_preemptions=draw(st.integers(0, 4)),
+                last_checkpoint_at=draw(st.sampled_from([None, NOW - 60.0])),
+                stopping=draw(st.booleans()),
+                stopping_for=draw(st.sampled_from(["", "q0", "q1"]))))
+            if milli < 1000 and draw(st.booleans()):
+                run.append(running(
+                    f"{name}-bf", n.node_id, (gpu.index,), draw(st.sampled_from([100, 300])),
+                    lender=name, started=NOW - 5000.0, tier="background", preemptible=True,
+                    paused=draw(st.booleans()),
+                    paused_at=NOW - draw(st.sampled_from([10.0, 5000.0])),
+                    gpu_memory_mb=draw(st.sampled_from([0, 2048]))))
+    queue = [queued(f"q{i}", draw(st.sampled_from([300, 500, 1000, 2000])), at=0.0,
+                    urgency=draw(st.sampled_from(["normal", "high", "urgent"])),
+                    tier=draw(st.sampled_from(["immediate", "background"])))
+             for i in range(draw(st.integers(1, 4)))]
+    return ClusterState(nodes=tuple(nodes), running=tuple(run)), queue
+
+
+@settings(max_examples=200, deadline=None)
+@given(busy_clusters())
+def test_no_protected_task_is_preempted_and_tenants_go_with_their_lender(
+        case: tuple[ClusterState, list[Queued]]) -> None:
+    cluster, queue = case
+    decisions = decide(cluster, queue, NOW)
+    by_id = {r.job.task_id: r for r in cluster.running}
+    stopped = {d.task_id: d for d in decisions if isinstance(d, Preempt)}
+    for task_id, d in stopped.items():
+        victim = by_id[task_id]
+        assert protection(victim, NOW, S) == "", (victim, d.reason)
+        assert d.for_task, "every preemption here is for a waiting task (no drain, no timer)"
+        for tenant in (r for r in cluster.running if r.lender == task_id):
+            assert tenant.job.task_id in stopped or tenant.stopping, (
+                "a backfill would inherit the share freed for " + d.for_task)
+        if victim.lender in by_id and victim.lender not in stopped:  # stopped on its own
+            assert victim.paused
+            assert victim.paused_at is not None
+            assert NOW - victim.paused_at > S.max_pause_s
+
+
+@settings(max_examples=200, deadline=None)
+@given(busy_clusters())
+def test_nothing_is_placed_into_capacity_freed_for_another_task(
+        case: tuple[ClusterState, list[Queued]]) -> None:
+    cluster, queue = case
+    decisions = decide(cluster, queue, NOW)
+    stopped = {d.task_id for d in decisions if isinstance(d, Preempt)}
+    stopped |= {r.job.task_id for r in cluster.running if r.stopping}
+    freed_gpus = {(r.node_id, g) for r in cluster.running if r.job.task_id in stopped
+                  for g in r.gpu_ids}
+    for d in decisions:
+        if isinstance(d, Place):
+            assert d.lender not in stopped, f"{d.task_id} backfills into a stopping task"
+            # Only the capacity that was free before (or is freed for it) is used; a
+            # placement onto a GPU being freed must fit beside what still runs there.
+            if any((d.node_id, g) in freed_gpus for g in d.gpu_ids) and not d.lender:
+                held = sum(r.gpu_milli for r in cluster.running
+                           if r.node_id == d.node_id and set(r.gpu_ids) & set(d.gpu_ids)
+                           and not (r.lender and r.lender in {x.job.task_id
+                                                              for x in cluster.running}))
+                assert held + d.gpu_milli <= 1000
+
+
+def test_a_backfill_whose_lender_ended_lends_its_own_share_like_any_task() -> None:
+    """The service keeps a placement's lender name after the lender ends, the simulator
+    clears it: both must decide the same (it holds its own share now)."""
+    cluster = state(node("n1", 1), running=(
+        running("was-bf", "n1", (0,), 500, lender="gone", idle=True, started=OLD,
+                tier="background", preemptible=True, gpu_memory_mb=2048),))
+    bg = queued("bg", 300, at=0.0, tier="background", gpu_memory_mb=1024)
+    (place,) = [d for d in decide(cluster, [bg], NOW) if isinstance(d, Place)]
+    # (it also fits in the free half; the idle share is lent only when nothing else fits)
+    assert place.task_id == "bg"
+    full = state(node("n1", 1), running=(
+        *cluster.running, running("other", "n1", (0,), 500, started=OLD,
+                                  gpu_memory_mb=2048)))
+    (place,) = [d for d in decide(full, [bg], NOW) if isinstance(d, Place)]
+    assert place.lender == "was-bf"
