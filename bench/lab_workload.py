@@ -3,6 +3,8 @@ backfill, on 1 GPU and on 16 GPUs (2 nodes × 8) over 72 simulated hours, severa
 
     python bench/lab_workload.py [--seeds 0,1,2] [--small-seeds 0-9] [--hours 72]
         [--clusters 1,16] [--sweep] [--json]
+    python bench/lab_workload.py --grid [--cells default,issue-like] [--grid-seeds 0-2]
+        [--grid-big-seeds 0] [--clusters 1,16] [--json]
 
 Same workload and seed for every policy. Reports busy-GPU utilization, goodput (work at
 solo speed, minus work lost to preemptions and failures, / GPU time), tasks finished, night
@@ -13,6 +15,11 @@ busy time can exceed it); then the issue's targets with a verdict. The 16-GPU ru
 seed, use `--small-seeds`. `--sweep` adds how the result moves with the backlog of
 background work, with the I/O share and with the GPU memory MD runs and sweeps hold (on
 1 GPU, the small seeds; on 16 GPUs, the first seed).
+`--grid` runs m27, FIFO and Slurm-like on each cell of `GRID` (LabParams far from their
+defaults, one axis at a time and a few together) and prints one row per cell and cluster
+with the issue's targets: goodput ≥ FIFO's and Slurm-like's, ≤ 1 preemption per GPU-hour,
+night jobs ≥ 95 % by 09:00 where the night fits (`night_check`), and busy ≥ 90 % (16 GPUs)
+/ 85 % (1 GPU) where the demand bound is ≥ 95 %; per-cell wall time goes to stderr.
 Workload parameters: `m27.sim.LabParams` (docs/simulator.md). All GPUs are simulated.
 """
 
@@ -24,11 +31,18 @@ import platform
 import statistics
 import sys
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass
+from typing import Any
+
+import msgspec
 
 from m27.sim import (
     LabParams,
+    RawRun,
     SimConfig,
+    SimJob,
+    Trace,
     demand_bound,
     generate_lab,
     make_policy,
@@ -76,25 +90,39 @@ def footprint_name(md_mb: int, sweep_mb: int) -> str:
 DEFAULT_FOOTPRINT = footprint_name(*FOOTPRINTS[0])
 
 
-def one(cluster: str, policy: str, seed: int, hours: float, *,
-        backlog: float = DEFAULT.backlog_gpu_h_per_gpu, io_share: float = DEFAULT.io_share,
-        footprint: tuple[int, int] = FOOTPRINTS[0]) -> Row:
+def lab(cluster: str, seed: int, hours: float, **changes: Any) -> LabParams:
+    """The lab workload's parameters on `cluster`, `changes` (LabParams fields) applied."""
     nodes, gpus = CLUSTERS[cluster]
-    trace = generate_lab(LabParams(nodes=nodes, gpus_per_node=gpus, hours=hours, seed=seed,
-                                   backlog_gpu_h_per_gpu=backlog, io_share=io_share,
-                                   md_gpu_memory_mb=footprint[0],
-                                   background_gpu_memory_mb=footprint[1]))
-    cfg = SimConfig(horizon_s=hours * 3600.0, seed=seed, failure_mtbf_h=FAILURE_MTBF_H,
-                    tick_s=TICK_S)
+    base = LabParams(nodes=nodes, gpus_per_node=gpus, hours=hours, seed=seed)
+    return msgspec.structs.replace(base, **changes)
+
+
+def run(cluster: str, policy: str, params: LabParams, trace: Trace) -> tuple[Row, RawRun]:
+    """One policy on one generated trace: its Row and the raw run (per-task outcomes)."""
+    hours = params.hours
+    cfg = SimConfig(horizon_s=hours * 3600.0, seed=params.seed,
+                    failure_mtbf_h=FAILURE_MTBF_H, tick_s=TICK_S)
     start = time.perf_counter()
     raw = simulate(trace, make_policy(policy, trace), cfg)
     m = summarize(raw, policy=policy, trace=trace.name)
-    return Row(cluster=cluster, policy=policy, seed=seed, backlog=backlog, io_share=io_share,
-               footprint=footprint_name(*footprint), demand=demand_bound(trace, hours * 3600.0),
-               utilization=m.utilization, goodput=m.goodput, allocation=m.allocation,
-               finished=m.completed, jobs=m.jobs, night_jobs=m.night_jobs,
-               night_by_9=m.night_done_by_9, preemptions=m.preemptions,
-               lost_gpu_h=m.lost_gpu_h, seconds=time.perf_counter() - start)
+    row = Row(cluster=cluster, policy=policy, seed=params.seed,
+              backlog=params.backlog_gpu_h_per_gpu, io_share=params.io_share,
+              footprint=footprint_name(params.md_gpu_memory_mb,
+                                       params.background_gpu_memory_mb),
+              demand=demand_bound(trace, hours * 3600.0), utilization=m.utilization,
+              goodput=m.goodput, allocation=m.allocation, finished=m.completed, jobs=m.jobs,
+              night_jobs=m.night_jobs, night_by_9=m.night_done_by_9,
+              preemptions=m.preemptions, lost_gpu_h=m.lost_gpu_h,
+              seconds=time.perf_counter() - start)
+    return row, raw
+
+
+def one(cluster: str, policy: str, seed: int, hours: float, *,
+        backlog: float = DEFAULT.backlog_gpu_h_per_gpu, io_share: float = DEFAULT.io_share,
+        footprint: tuple[int, int] = FOOTPRINTS[0]) -> Row:
+    params = lab(cluster, seed, hours, backlog_gpu_h_per_gpu=backlog, io_share=io_share,
+                 md_gpu_memory_mb=footprint[0], background_gpu_memory_mb=footprint[1])
+    return run(cluster, policy, params, generate_lab(params))[0]
 
 
 def parse_seeds(text: str) -> list[int]:
@@ -202,6 +230,205 @@ def sweep_table(rows: list[Row], field: str, values: tuple[object, ...]) -> str:
     return "\n".join(lines)
 
 
+# --- the grid: targets across a family of workloads (`--grid`) -------------------------
+
+GRID_POLICIES = ("m27", "fifo", "slurm")
+NIGHT_TARGET, PREEMPT_TARGET, DEMAND_FOR_BUSY = 0.95, 1.0, 0.95
+BUSY_TARGET = {"1 GPU": 0.85, "16 GPUs": 0.90}
+#: Named cells, each LabParams changes: one axis at a time far from its default, then a
+#: few together. `default` is the published workload.
+GRID: tuple[tuple[str, dict[str, Any]], ...] = (
+    ("default", {}),
+    ("footprint-small", {"md_gpu_memory_mb": 512, "background_gpu_memory_mb": 512,
+                         "train_gpu_memory_mb": 1024, "analysis_gpu_memory_mb": 512}),
+    ("footprint-share", {"md_gpu_memory_mb": 0, "background_gpu_memory_mb": 0}),
+    ("light-0.5", {"analysis_milli": (400, 500)}),
+    ("light-preemptible", {"light_preemptible": True}),
+    ("bg-whole-gpus", {"background_shares": (1000,)}),
+    ("bg-small-shares", {"background_shares": (200, 300, 400)}),
+    ("bg-io", {"background_io_share": 0.3, "background_io_every_s": 120.0}),
+    ("io-0", {"io_share": 0.0}),
+    ("io-0.4-short", {"io_share": 0.4, "io_period_scale": 0.25}),
+    ("io-0.4-long", {"io_share": 0.4, "io_period_scale": 6.0}),
+    ("stage-0", {"stage_s": 0.0}),
+    ("stage-600", {"stage_s": 600.0}),
+    ("lognormal", {"durations": "lognormal"}),
+    ("night-wave", {"night_wave_per_gpu": 1}),
+    ("preprocess", {"preprocess_share": 0.5}),
+    ("backlog-0", {"backlog_gpu_h_per_gpu": 0.0}),
+    ("backlog-24", {"backlog_gpu_h_per_gpu": 24.0}),
+    ("backlog-144", {"backlog_gpu_h_per_gpu": 144.0}),
+    ("issue-like", {"durations": "lognormal", "stage_s": 300.0, "background_io_share": 0.3,
+                    "background_io_every_s": 120.0, "preprocess_share": 0.5,
+                    "night_wave_per_gpu": 1}),
+    ("io-heavy", {"io_share": 0.4, "io_period_scale": 6.0, "background_shares": (1000,),
+                  "md_gpu_memory_mb": 0, "background_gpu_memory_mb": 0}),
+    ("light-crowd", {"analysis_milli": (400, 500), "light_preemptible": True,
+                     "analysis_per_gpu_day": 6.0, "background_shares": (200, 300, 400),
+                     "backlog_gpu_h_per_gpu": 24.0}),
+    ("small-and-slow-start", {"md_gpu_memory_mb": 512, "background_gpu_memory_mb": 512,
+                              "train_gpu_memory_mb": 1024, "analysis_gpu_memory_mb": 512,
+                              "stage_s": 600.0, "io_share": 0.4, "io_period_scale": 0.25,
+                              "durations": "lognormal"}),
+)
+
+
+def wall_s(sim: SimJob) -> float:
+    """Its wall time alone on its share: staging, compute, and the I/O phases between."""
+    io = sim.duration_s / sim.io_every_s * sim.io_s if sim.io_every_s > 0 else 0.0
+    return sim.stage_s + sim.duration_s + io
+
+
+def gpus_of(sim: SimJob) -> float:
+    milli = sim.job.gpu_milli
+    return milli / 1000 if milli < 1000 else float(milli // 1000)
+
+
+def night_demand(trace: Trace, morning: float) -> float:
+    """GPU-s of immediate-tier work that must run 18:00–09:00 before `morning`: the night's
+    submissions (wall time alone, up to 09:00) and what the day's work still needs after
+    18:00 even if each started at its submission (a lower bound)."""
+    evening, total = morning - 15 * 3600.0, 0.0
+    for sim in trace.jobs:
+        if sim.job.tier != "immediate" or sim.job.gpu_milli <= 0 or sim.submit_s >= morning:
+            continue
+        start = max(sim.submit_s, evening)
+        total += gpus_of(sim) * max(0.0, min(sim.submit_s + wall_s(sim), morning) - start)
+    return total
+
+
+@dataclass(frozen=True)
+class Night:
+    """Night jobs (the engine's: immediate tier, 18:00–08:00, 09:00 inside the span) of
+    the nights whose demand fits, that alone could finish by 09:00, and how many did."""
+
+    nights: int
+    nights_fit: int
+    jobs: int
+    done: int
+
+
+def night_check(trace: Trace, raw: RawRun) -> Night:
+    """A night fits when `night_demand` ≤ GPUs × 15 h (18:00–09:00); in one that fits, a
+    job counts unless submission + its wall time alone is past 09:00."""
+    sims = {s.job.task_id: s for s in trace.jobs}
+    night = [o for o in raw.outcomes if o.night and o.morning_s is not None]
+    mornings = sorted({o.morning_s for o in night if o.morning_s is not None})
+    fit = {m for m in mornings if night_demand(trace, m) <= raw.gpus * 15 * 3600.0}
+    counted = [o for o in night if o.morning_s in fit
+               and o.submit_s + wall_s(sims[o.task_id]) <= o.morning_s]
+    done = [o for o in counted if o.end_s is not None and o.end_s <= (o.morning_s or 0.0)]
+    return Night(nights=len(mornings), nights_fit=len(fit), jobs=len(counted),
+                 done=len(done))
+
+
+@dataclass(frozen=True)
+class Cell:
+    cluster: str
+    cell: str
+    seeds: int
+    demand: float
+    busy: float
+    goodput: dict[str, float]  # policy -> mean goodput
+    preempt_per_gpu_h: float
+    night: Night  # summed over seeds
+    preempted: dict[str, int]  # m27 preemptions by kind of task, summed over seeds
+    seconds: float
+
+    def misses(self) -> list[str]:
+        g, out = self.goodput, []
+        if g["m27"] < g["fifo"]:
+            out.append("goodput < FIFO")
+        if g["m27"] < g["slurm"]:
+            out.append("goodput < Slurm")
+        if self.preempt_per_gpu_h > PREEMPT_TARGET:
+            out.append("preemptions")
+        if self.night.jobs and self.night.done / self.night.jobs < NIGHT_TARGET:
+            out.append("night")
+        if self.demand >= DEMAND_FOR_BUSY and self.busy < BUSY_TARGET[self.cluster]:
+            out.append("busy")
+        return out
+
+
+def grid_cell(cluster: str, name: str, changes: dict[str, Any], seeds: list[int],
+              hours: float) -> Cell:
+    start = time.perf_counter()
+    rows: dict[str, list[Row]] = {p: [] for p in GRID_POLICIES}
+    nights: list[Night] = []
+    kinds: Counter[str] = Counter()
+    for seed in seeds:
+        params = lab(cluster, seed, hours, **changes)
+        trace = generate_lab(params)
+        for policy in GRID_POLICIES:
+            row, raw = run(cluster, policy, params, trace)
+            rows[policy].append(row)
+            if policy == "m27":
+                nights.append(night_check(trace, raw))
+                for o in raw.outcomes:
+                    kinds[o.kind] += o.preemptions
+    m27, (nodes, per_node) = rows["m27"], CLUSTERS[cluster]
+    return Cell(cluster=cluster, cell=name, seeds=len(seeds), demand=mean(m27, "demand"),
+                busy=mean(m27, "utilization"),
+                goodput={p: mean(r, "goodput") for p, r in rows.items()},
+                preempt_per_gpu_h=mean(m27, "preemptions") / (nodes * per_node * hours),
+                night=Night(*(sum(getattr(n, f) for n in nights)
+                              for f in ("nights", "nights_fit", "jobs", "done"))),
+                preempted={k: v for k, v in kinds.most_common() if v},
+                seconds=time.perf_counter() - start)
+
+
+def grid_row(c: Cell) -> str:
+    n = c.night
+    night = (f"{100 * n.done / n.jobs:.1f} ({n.done}/{n.jobs}, {n.nights_fit}/{n.nights} "
+             "nights)" if n.jobs else f"— (0/{n.nights} nights fit)")
+    kinds = ", ".join(f"{k} {v}" for k, v in c.preempted.items()) or "—"
+    return (f"| {c.cluster} | {c.cell} | {c.seeds} | {100 * c.demand:.1f} | "
+            f"{100 * c.busy:.1f} | {100 * c.goodput['m27']:.1f} | "
+            f"{100 * c.goodput['fifo']:.1f} | {100 * c.goodput['slurm']:.1f} | "
+            f"{c.preempt_per_gpu_h:.3f} | {night} | {kinds} | "
+            f"{', '.join(c.misses()) or 'all met'} |")
+
+
+GRID_HEAD = ("| cluster | cell | seeds | demand bound % | m27 busy % | m27 goodput % | "
+             "FIFO goodput % | Slurm goodput % | m27 preemptions / GPU-h | "
+             "m27 night jobs by 09:00 % (fitting nights) | m27 preempted (by kind) | "
+             "misses |\n|---|---|---|---|---|---|---|---|---|---|---|---|")
+
+
+def run_grid(clusters: list[str], seeds: dict[str, list[int]], hours: float,
+             names: list[str] | None) -> list[Cell]:
+    """Every cell (or those named) on every cluster, printing each row as it is done."""
+    known = dict(GRID)
+    missing = [n for n in names or () if n not in known]
+    if missing:
+        raise SystemExit(f"unknown cells: {', '.join(missing)}")
+    cells = [(n, known[n]) for n in names] if names else list(GRID)  # in the order asked
+    print(GRID_HEAD, flush=True)
+    out = []
+    for cluster in clusters:
+        for name, changes in cells:
+            cell = grid_cell(cluster, name, changes, seeds[cluster], hours)
+            print(grid_row(cell), flush=True)
+            print(f"  {cluster} {name}: {cell.seconds:.0f} s", file=sys.stderr, flush=True)
+            out.append(cell)
+    return out
+
+
+def grid_main(args: argparse.Namespace, clusters: list[str], version: str) -> None:
+    seeds = {"1 GPU": parse_seeds(args.grid_seeds), "16 GPUs": parse_seeds(args.grid_big_seeds)}
+    names = [n for n in args.cells.split(",") if n] or None
+    if not args.json:
+        print(f"lab workload grid, {args.hours:g} h, seeds {args.grid_seeds} (1 GPU), "
+              f"{args.grid_big_seeds} (16 GPUs), failure MTBF {FAILURE_MTBF_H:g} running-h "
+              f"per task; m27 policy sources sha256 {version}\n")
+    start = time.perf_counter()
+    cells = run_grid(clusters, seeds, args.hours, names)
+    if args.json:
+        print(json.dumps({"cells": [asdict(c) | {"misses": c.misses()} for c in cells]},
+                         indent=2))
+    print(f"  grid: {time.perf_counter() - start:.0f} s", file=sys.stderr)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -212,10 +439,18 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--clusters", default="1,16", help="GPU counts: 1, 16 or both")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--grid", action="store_true",
+                        help="only the grid of workloads: m27, FIFO, Slurm-like per cell")
+    parser.add_argument("--cells", default="", help="grid cells to run (default: all)")
+    parser.add_argument("--grid-seeds", default="0-2", help="seeds of the 1-GPU grid runs")
+    parser.add_argument("--grid-big-seeds", default="0", help="seeds of the 16-GPU grid runs")
     args = parser.parse_args()
     version = policy_version()  # of the code imported now, not of later edits
-    seeds = {"1 GPU": parse_seeds(args.small_seeds), "16 GPUs": parse_seeds(args.seeds)}
     wanted = [c for c in CLUSTERS if c.split()[0] in args.clusters.split(",")]
+    if args.grid:
+        grid_main(args, wanted, version)
+        return
+    seeds = {"1 GPU": parse_seeds(args.small_seeds), "16 GPUs": parse_seeds(args.seeds)}
     rows = []
     for cluster in wanted:
         for policy in POLICIES:

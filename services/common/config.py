@@ -65,7 +65,7 @@ class SchedulerSection(msgspec.Struct, frozen=True, kw_only=True):
     aging_per_hour: Annotated[float, msgspec.Meta(ge=0.0)] = 25.0
     held_per_gpu_hour: Annotated[float, msgspec.Meta(ge=0.0)] = 5.0
     max_temperature: Annotated[float, msgspec.Meta(ge=0.0, le=150.0)] = 80.0  # °C
-    min_runtime: Duration = 300.0  # younger tasks are not preempted
+    min_runtime: Duration = 300.0  # computing less than this in its attempt: not preempted
     preempt_grace: Duration = 60.0  # checkpoint-then-stop: SIGKILL after this
     preemption: bool = True
     # A task whose last this-many attempts were each preempted before committing a
@@ -73,7 +73,7 @@ class SchedulerSection(msgspec.Struct, frozen=True, kw_only=True):
     max_fruitless_preemptions: Annotated[int, msgspec.Meta(ge=0, le=1000)] = 3
     backfill: bool = True
     ready_pool: Annotated[int, msgspec.Meta(ge=0, le=1000)] = 2
-    max_pause: Duration = 600.0  # a paused preemptible backfill is preempted after this
+    max_pause: Duration = 600.0  # paused longer: a victim for the memory it holds
     # Least-attained-service among peers: a task that has held less than this many
     # GPU-hours may preempt a preemptible peer that has held more. 0: off.
     peer_yield_gpu_hours: Annotated[float, msgspec.Meta(ge=0.0)] = 4.0

@@ -108,7 +108,7 @@ def _victims(state: ClusterState, now: float, settings: PolicySettings,
     alive = {r.job.task_id for r in state.running}
     tenants: dict[str, list[Running]] = {}
     for r in state.running:
-        if r.lender and r.lender in alive:
+        if r.lender and r.lender in alive and not r.stopping:  # (a stopping one leaves)
             tenants.setdefault(r.lender, []).append(r)
     pool = []
     for r in state.running:
