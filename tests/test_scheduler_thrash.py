@@ -27,8 +27,8 @@ A checkpoint on SIGTERM takes 2 s, as in the simulator, where a preempted task s
 at the end of its grace period: that is the margin between one round of stops and two.
 Each attempt stages for 3 s (the minimal case's 180 s would be 1.8 s) so that a backfill
 is past its minimum runtime while its lender is still staging, and is preempted while it
-runs. A paused one (SIGSTOP) would not act on SIGTERM: the agent sends no SIGCONT, so it
-would be killed at the end of the grace period without its checkpoint.
+runs (a paused one is continued by the scheduler before its SIGTERM, but would checkpoint
+later).
 
 What is checked: every step succeeds; the MD step runs once (one attempt, never stopped);
 it preempts what holds the GPU when it arrives in one round; there are at most
