@@ -14,66 +14,37 @@ from __future__ import annotations
 import argparse
 import platform
 import statistics
-import sys
 import time
 from dataclasses import dataclass, field
 
 from hypothesis import HealthCheck, Phase, given, seed, settings
 
-from m27.scheduler.model import PolicySettings
-from m27.sim import SimConfig, Trace, make_policy, policy_version, simulate, summarize
+from m27.sim import Trace, policy_version
 from m27.sim.tests.test_policy_properties import (
     GOODPUT_TOLERANCE,
-    TICK_S,
-    Watch,
-    preemption_bound,
-    serial_bound,
+    WAIT_BOUND_S,
+    Findings,
+    measure,
     traces,
 )
 
 
 @dataclass
 class Tally:
-    examples: int = 0
-    unfinished: int = 0
-    goodput_misses: int = 0
-    preemption_misses: int = 0
-    wait_misses: int = 0
-    margins: list[float] = field(default_factory=list)  # m27 goodput − FIFO's
-    makespans: list[float] = field(default_factory=list)  # m27's / FIFO's
-    jcts: list[float] = field(default_factory=list)  # m27's mean JCT / FIFO's
-    per_job: list[int] = field(default_factory=list)
-    worst_wait_s: float = 0.0
-    worst: list[str] = field(default_factory=list)
+    findings: list[Findings] = field(default_factory=list)
 
     def add(self, trace: Trace) -> None:
-        self.examples += 1
-        cfg = SimConfig(tick_s=TICK_S, horizon_s=serial_bound(trace))
-        fifo_raw = simulate(trace, make_policy("fifo", trace), cfg)
-        watch = Watch(make_policy("m27", trace))
-        raw = simulate(trace, watch, cfg)
-        done_fifo = {o.task_id for o in fifo_raw.outcomes if o.end_s is not None}
-        if not done_fifo <= {o.task_id for o in raw.outcomes if o.end_s is not None}:
-            self.unfinished += 1
-            self.worst.append(f"unfinished: {len(trace.jobs)} jobs on {len(trace.nodes)} nodes")
-        span = SimConfig(tick_s=TICK_S, horizon_s=fifo_raw.span_s)
-        fifo = summarize(fifo_raw, policy="fifo", trace=trace.name)
-        m27 = summarize(simulate(trace, make_policy("m27", trace), span), policy="m27",
-                        trace=trace.name)
-        self.margins.append(m27.goodput - fifo.goodput)
-        whole = summarize(raw, policy="m27", trace=trace.name)
-        if fifo_raw.span_s > 0:
-            self.makespans.append(raw.span_s / fifo_raw.span_s)
-        if whole.mean_jct_s and fifo.mean_jct_s:
-            self.jcts.append(whole.mean_jct_s / fifo.mean_jct_s)
-        self.goodput_misses += m27.goodput < fifo.goodput - GOODPUT_TOLERANCE
-        bounds = {j.job.task_id: preemption_bound(j) for j in trace.jobs}
-        self.per_job += [o.preemptions for o in raw.outcomes]
-        self.preemption_misses += any(o.preemptions > bounds[o.task_id]
-                                      for o in raw.outcomes)
-        limit = PolicySettings().preempt_grace_s + 2 * TICK_S
-        self.wait_misses += watch.worst > limit
-        self.worst_wait_s = max(self.worst_wait_s, watch.worst)
+        self.findings.append(measure(trace))
+
+    def misses(self) -> list[tuple[str, int]]:
+        f = self.findings
+        return [
+            ("every job FIFO finishes, m27 finishes", sum(bool(x.unfinished) for x in f)),
+            (f"goodput ≥ FIFO's − {GOODPUT_TOLERANCE:g} (by FIFO's end)",
+             sum(x.goodput < x.fifo_goodput - GOODPUT_TOLERANCE for x in f)),
+            ("preemptions per job within the bound", sum(bool(x.over_bound) for x in f)),
+            (f"no wait beside fitting free capacity > {WAIT_BOUND_S:g} s",
+             sum(x.worst_wait_s > WAIT_BOUND_S for x in f))]
 
 
 def run(examples: int, at_seed: int) -> Tally:
@@ -99,32 +70,34 @@ def main() -> None:
     version = policy_version()
     start = time.perf_counter()
     t = run(args.examples, args.seed)
-    margins = sorted(t.margins)
-    print(f"policy properties, {t.examples} drawn workloads (seed {args.seed}), simulated "
-          f"GPUs ({platform.python_implementation()} {platform.python_version()}); m27 "
-          f"policy sources sha256 {version}; {time.perf_counter() - start:.0f} s\n")
+    print(f"policy properties, {len(t.findings)} drawn workloads (seed {args.seed}), "
+          f"simulated GPUs ({platform.python_implementation()} "
+          f"{platform.python_version()}); m27 policy sources sha256 {version}; "
+          f"{time.perf_counter() - start:.0f} s\n")
+    report(t)
+
+
+def report(t: Tally) -> None:
+    f = t.findings
     print("| property | held in | misses |")
     print("|---|---|---|")
-    rows = (("every job FIFO finishes, m27 finishes", t.unfinished),
-            (f"goodput ≥ FIFO's − {GOODPUT_TOLERANCE:g} (by FIFO's end)", t.goodput_misses),
-            ("preemptions per job within the bound", t.preemption_misses),
-            (f"no wait beside fitting free capacity > {PolicySettings().preempt_grace_s:g} s "
-             f"+ 2 ticks", t.wait_misses))
-    for name, misses in rows:
-        print(f"| {name} | {t.examples - misses} / {t.examples} | {misses} |")
+    for name, misses in t.misses():
+        print(f"| {name} | {len(f) - misses} / {len(f)} | {misses} |")
+    margins = sorted(x.goodput - x.fifo_goodput for x in f)
     print(f"\ngoodput by FIFO's end, m27 − FIFO (0: m27 done by then too): min "
           f"{margins[0]:+.3f}, 5th pct {margins[len(margins) // 20]:+.3f}")
-    for name, values in (("makespan", t.makespans), ("mean JCT", t.jcts)):
+    for name, values in (("makespan", [x.makespan_ratio for x in f]),
+                         ("mean JCT", [x.jct_ratio for x in f if x.jct_ratio is not None])):
         v = sorted(values)
         print(f"{name} m27 / FIFO: median {statistics.median(v):.2f}, 95th pct "
               f"{v[len(v) * 19 // 20]:.2f}, max {v[-1]:.2f}; worse than FIFO in "
-              f"{sum(x > 1.0 + 1e-9 for x in v)} of {len(v)}")
-    print(f"preemptions per job: mean {statistics.fmean(t.per_job):.2f}, max "
-          f"{max(t.per_job)}; jobs never preempted "
-          f"{sum(p == 0 for p in t.per_job) / len(t.per_job):.1%}")
-    print(f"longest wait beside fitting free capacity: {t.worst_wait_s:.0f} s")
-    for line in t.worst[:5]:
-        print("  " + line, file=sys.stderr)
+              f"{sum(r > 1.0 + 1e-9 for r in v)} of {len(v)}")
+    per_job = [p for x in f for p in x.preemptions]
+    print(f"preemptions per job: mean {statistics.fmean(per_job):.2f}, max "
+          f"{max(per_job)}; jobs never preempted "
+          f"{sum(p == 0 for p in per_job) / len(per_job):.1%}")
+    print(f"longest wait beside fitting free capacity: "
+          f"{max(x.worst_wait_s for x in f):.0f} s")
 
 
 if __name__ == "__main__":
