@@ -4,7 +4,7 @@ the rules; the pieces live in `_priority`, `_packing`, `_preemption` and `_backf
 
 One cycle:
 1. maintenance: checkpointing tasks on draining nodes are preempted ("drain …");
-2. backfills follow their lenders (pause / resume / preempt when paused long);
+2. backfills follow their lenders (pause / resume);
 3. queued tasks in score order (immediate tier first, background after): placed where
    they fragment the cluster least; else an immediate task may preempt lower-score
    victims; else a ready-pool or background task may start in an idle share; else it

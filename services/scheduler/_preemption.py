@@ -5,11 +5,12 @@ task it makes room for (urgency weight + user level weight: aging and the held t
 the queue but give no right to stop a peer, or equal tasks would take turns preempting each
 other) — unless it is a peer that has held `peer_yield_gpu_h` GPU-hours and the task has
 held less (least-attained-service, one way only, so peers never take turns) — and strictly
-lower in score (background victims are both: they only take leftovers), older
-than `min_runtime_s` (background is exempt: it must never delay immediate work), and not a
-backfill (that holds no capacity of its own). Tasks already `stopping` count as still
+lower in score (background victims are both: they only take leftovers), and not protected
+(`_core.protection`: staging, computing less than `min_runtime_s` whatever its tier, or
+preempted `max_fruitless_preemptions` times in a row without progress). A running backfill
+is no victim (it holds no share of its own). Tasks already `stopping` count as still
 holding their capacity, but as free victims: a task that fits once they are gone waits for
-them instead of preempting more.
+them instead of preempting more — unless they stop for another waiting task.
 
 Among the nodes where the task would fit, the victim set loses the least work: GPU-seconds
 since the victim's last checkpoint (since its start if it never checkpointed, or if it does
