@@ -547,6 +547,8 @@ class TaskRunner:
             task.stop_deadline = asyncio.get_running_loop().time() + grace_s
             task.stop_grace_s = grace_s
         signalled = signal_group(task.process.pid, signal.SIGTERM)
+        if task.paused:  # SIGSTOPped, it would only see the SIGKILL at the end of the grace
+            task.paused = not signal_group(task.process.pid, signal.SIGCONT)
         log.info("task.stopping", task_id=task.cmd.task_id, pid=task.process.pid,
                  reason=why.note, cause=why.cause, grace_s=grace_s, signalled=signalled)
         task.escalations.append(asyncio.create_task(self._escalate(task, grace_s)))
