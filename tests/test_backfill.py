@@ -119,3 +119,79 @@ async def test_an_idle_report_starts_a_backfill_that_is_paused_while_the_main_ta
     assert "task.paused" in agent
     assert "task.resumed" in agent
     assert lines(work / "prep.log")[-1].split()[1] == "80"
+
+
+#: compute 2 s, I/O 5 s, then computes for a minute: the backfill is paused all that time.
+LONG_MAIN: Final = MAIN.replace("compute(2); io(5); compute(5); io(5); compute(1)",
+                                "compute(2); io(5); compute(60)")
+
+
+async def test_a_paused_backfill_that_times_out_gets_its_sigterm_at_once(
+        system: Cluster, client: Client, tmp_path: Path) -> None:
+    """A SIGSTOPped process sees no SIGTERM until it is continued. The scheduler continues a
+    paused task it preempts or cancels; a stop the agent makes on its own (here the step's
+    `timeout:`) used to leave it paused for the whole grace period, to die of SIGKILL
+    without its checkpoint. The agent now continues it, so it checkpoints and exits."""
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "main.py").write_text(LONG_MAIN)
+    (work / "counter.py").write_text(COUNTER)
+    main = await client.submit(MAIN_PIPELINE, workdir=str(work))
+    await wait_for(lambda: bool(phases(work / "main.phases")), "the main step does not run")
+    pipeline = BACKFILL_PIPELINE.replace(
+        "prep 80'}", "prep 900', timeout: 9s, retries: {failure: 0}}")
+    backfill = await client.submit(pipeline, workdir=str(work))
+    agent = system.processes["agent-node-1"]
+    await wait_for(lambda: "task.paused" in service_log(agent), "the backfill is never paused",
+                   timeout=30)
+    run = await finished_run(client, backfill, timeout=40)
+    assert run.state == "failed", run
+    step = run.steps[0]
+    # Its own exit on SIGTERM (143, after saving its state), not SIGKILL's 137 at the end
+    # of the agent's grace.
+    assert step.exit_code == 143, step
+    assert any("checkpoint" in line for line in lines(work / "prep.log"))
+    await client.cancel(main, "test: done")
+
+
+#: compute 2 s, then eight rounds of 4 s of I/O and 2 s of compute.
+LENDER: Final = MAIN.replace("compute(2); io(5); compute(5); io(5); compute(1)",
+                             "compute(2)\nfor _ in range(8):\n    io(4); compute(2)")
+SWEEP: Final = ("priority: low\npreemptible: true\npipeline:\n"
+                "  - {{name: sweep, resources: {{gpus: 0.5, gpu_memory: 4GiB}}, "
+                "command: '\"$M27_PYTHON\" counter.py {name} 3000'}}\n")
+USER_STEP: Final = ("pipeline:\n  - {name: analysis, resources: {gpus: 0.5, gpu_memory: 4GiB}, "
+                    "command: '\"$M27_PYTHON\" counter.py analysis 20'}\n")
+
+
+async def test_background_backfills_yield_an_idle_share_to_a_ready_pool_step(
+        system: Cluster, client: Client, tmp_path: Path) -> None:
+    """The service runs the same rule as the simulator (docs/scheduling.md, "Tiers, ready
+    pool, idle backfill"): two background sweeps fill the main step's idle GPU; a user's
+    0.5-GPU step that arrives later gets one of their places (one sweep checkpoints and is
+    requeued), runs in the main step's I/O phases and is done before the main step is."""
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "main.py").write_text(LENDER)
+    (work / "counter.py").write_text(COUNTER)
+    main = await client.submit(MAIN_PIPELINE.replace("8GiB", "4GiB"), workdir=str(work))
+    sweeps = [await client.submit(SWEEP.format(name=name), workdir=str(work))
+              for name in ("sweep-a", "sweep-b")]
+    await wait_for(lambda: all(ticks(work / f"{n}.log") for n in ("sweep-a", "sweep-b")),
+                   "the sweeps never backfill into the main step", timeout=40)
+    user = await client.submit(USER_STEP, workdir=str(work))
+    done = await finished_run(client, user, timeout=60)
+    assert done.state == "succeeded", system.logs()
+    step = done.steps[0]
+    assert (step.node_id, step.gpu_ids) == ("node-1", (0,))
+    main_run = await client.get_run(main)
+    assert main_run.state == "running", "the user step had to wait for the main step to end"
+    log = scheduler_log(system)
+    assert log.count("yields it to") == 1, log  # one sweep made room, not both
+    assert f"backfill: {main}/train's" in log
+    runs = [await client.get_run(s) for s in sweeps]
+    assert sorted(r.steps[0].preemptions for r in runs) == [0, 1]
+    assert any("checkpoint" in line for n in ("sweep-a", "sweep-b")
+               for line in lines(work / f"{n}.log"))
+    for run_id in (*sweeps, main):
+        await client.cancel(run_id, "test: done")

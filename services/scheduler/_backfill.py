@@ -14,7 +14,9 @@ the lender finished, a paused backfill resumes and from then on holds its own sh
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+
+import msgspec
 
 from m27.scheduler._packing import Packer, Request
 from m27.scheduler.model import Decision, Pause, Resume, Running
@@ -94,3 +96,87 @@ def lend(idle: dict[str, tuple[Running, int]], lender: Running, milli: int) -> N
         idle[task_id] = (lender, free)
     else:
         del idle[task_id]
+
+
+class Displacement(msgspec.Struct, frozen=True, kw_only=True):
+    """A lender whose idle share a ready-pool task will fit in once `stop` (background
+    backfills in it) and the tenants already leaving are gone; `stop` may be empty."""
+
+    lender: Running
+    stop: tuple[Running, ...]
+
+
+def displace(packer: Packer, req: Request, running: Sequence[Running],
+             may_stop: Callable[[Running], bool], leaving: Callable[[Running], bool],
+             cost: Callable[[Running], float]) -> Displacement | None:
+    """Where a ready-pool task that found no free idle share would fit if background
+    backfills (those `may_stop` allows) gave theirs back. Immediate work ranks above the
+    background tier for an idle share as for any other capacity: without this, background
+    backfills paused in a lender keep its share lent for hours, and the ready-pool task
+    meant for it waits behind them. Least work lost (`cost`) wins, then the fewest stops,
+    then the tightest fit, then the lender's id."""
+    if req.gpus != 1:
+        return None
+    alive = {r.job.task_id: r for r in running}
+    tenants: dict[str, list[Running]] = {}
+    for r in running:
+        if r.lender and r.lender in alive:
+            tenants.setdefault(r.lender, []).append(r)
+    options: list[tuple[float, int, int, str, Displacement]] = []
+    for task_id, mine in tenants.items():
+        lender = alive[task_id]
+        if (not lender.idle or lender.stopping or lender.paused or not lender.gpu_ids
+                or (lender.lender and lender.lender in alive)):
+            continue
+        node = packer.index.get(lender.node_id, -1)
+        col = packer.col_of(node, lender.gpu_ids[0]) if node >= 0 else -1
+        if col < 0 or not packer.node_ok[node] or not packer.usable[node, col]:
+            continue
+        if req.models and packer.nodes[node].gpus[col].model not in req.models:
+            continue
+        stop = _fewest(packer, req, (node, col), lender.gpu_milli, mine, may_stop, leaving,
+                       cost)
+        if stop is None:
+            continue
+        kept = sum(t.gpu_milli for t in mine if t not in stop and not t.stopping)
+        options.append((sum(cost(t) for t in stop), len(stop),
+                        lender.gpu_milli - kept - req.milli, task_id,
+                        Displacement(lender=lender, stop=tuple(stop))))
+    return min(options, key=lambda o: o[:4])[4] if options else None
+
+
+def _fewest(packer: Packer, req: Request, where: tuple[int, int], share: int,
+            tenants: list[Running], may_stop: Callable[[Running], bool],
+            leaving: Callable[[Running], bool],
+            cost: Callable[[Running], float]) -> list[Running] | None:
+    """The fewest tenants to stop (least work lost first) for `req` to fit once they and
+    those already leaving are gone; None if even stopping every allowed one is not enough."""
+    node, col = where
+    need = packer.gpu_memory(req, node, col)
+    free = [share - sum(t.gpu_milli for t in tenants), float(packer.gmem_free[node, col]),
+            float(packer.cpu[node]), float(packer.mem[node])]
+
+    def fits() -> bool:
+        return (free[0] >= req.milli and free[1] + 1e-6 >= need and free[2] >= req.cpu_milli
+                and free[3] >= req.memory_mb)
+
+    def release(t: Running) -> bool:
+        held = packer.gpu_memory(Request(milli=t.gpu_milli, gpu_memory_mb=t.job.gpu_memory_mb),
+                                 node, col)
+        for i, amount in enumerate((t.gpu_milli, held, t.job.cpu_milli, t.job.memory_mb)):
+            free[i] += amount
+        return fits()
+
+    fit = fits()
+    for t in tenants:
+        if t.stopping and leaving(t):
+            fit = release(t)
+    if fit:
+        return []
+    stop: list[Running] = []
+    for t in sorted((t for t in tenants if not t.stopping and may_stop(t)),
+                    key=lambda t: (cost(t), t.job.task_id)):
+        stop.append(t)
+        if release(t):
+            return stop
+    return None

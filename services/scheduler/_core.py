@@ -60,7 +60,11 @@ class _Cycle:
         self.decisions: list[Decision] = []
         self.explanations: list[Explanation] = []
         self.packer = build_packer(state, queue, settings)
+        # Free capacity and idle shares only shrink within a cycle, so a request that found
+        # no fit (or no lender) finds none later; a wait reason holds until the next change.
         self.failed: set[Request] = set()
+        self.no_lender: set[Request] = set()
+        self.wait_reasons: dict[Request, str] = {}
         self.idle = _backfill.lenders(state.running) if settings.backfill else {}
         alive = {r.job.task_id for r in state.running}
         self.stopping: list[_preemption.Freed] = [
@@ -69,9 +73,18 @@ class _Cycle:
         self.queued_ids = {q.job.task_id for q in queue}
         self.victims: list[_preemption.Victim] = []
         self.ready_left = settings.ready_pool
+        self.running = state.running
 
     def emit(self, decision: Decision) -> None:
         self.decisions.append(decision)
+        if not isinstance(decision, Wait):
+            self.wait_reasons.clear()  # a placement, reservation or stop changes the text
+
+    def wait_reason(self, req: Request) -> str:
+        reason = self.wait_reasons.get(req)
+        if reason is None:
+            reason = self.wait_reasons[req] = wait_reason(self.packer, req)
+        return reason
 
 
 def build_packer(state: ClusterState, queue: Sequence[Queued],
@@ -192,13 +205,15 @@ def _consider(cycle: _Cycle, queued: Queued, score: Score, rank: int) -> None:
         action, reason = "preempt", _last_wait_reason(cycle)
     elif _backfill_into(cycle, queued, req):
         action, reason = "backfill", _last_place_reason(cycle)
+    elif _displace(cycle, queued, req):
+        action, reason = "preempt", _last_wait_reason(cycle)
     else:
-        action, reason = "wait", wait_reason(cycle.packer, req)
+        action, reason = "wait", cycle.wait_reason(req)
         if job.tier == "background":
             reason = f"background tier, leftovers only: {reason}"
         cycle.emit(Wait(task_id=job.task_id, reason=reason))
     staged = queued.staged_on
-    if action in ("wait", "preempt") and job.tier == "immediate" and cycle.ready_left > 0:
+    if action in ("wait", "preempt") and cycle.ready_left > 0:
         cycle.ready_left -= 1
         if not staged:
             node = stage_node(cycle.packer, req)
@@ -312,8 +327,11 @@ def _backfill_into(cycle: _Cycle, queued: Queued, req: Request) -> bool:
     job = queued.job
     if not cycle.idle or not (job.tier == "background" or cycle.ready_left > 0):
         return False
+    if req in cycle.no_lender:
+        return False
     lender = _backfill.find_lender(cycle.packer, req, cycle.idle)
     if lender is None:
+        cycle.no_lender.add(req)
         return False
     _backfill.lend(cycle.idle, lender, req.milli)
     # A lender with a tenant placed now is no victim this cycle: the tenant is not among
@@ -332,6 +350,47 @@ def _backfill_into(cycle: _Cycle, queued: Queued, req: Request) -> bool:
                      reason=f"backfill: {lender.job.task_id}'s {lender.gpu_milli / 1000:.2f}"
                      f" GPU on GPU {lender.gpu_ids[0]} of {lender.node_id} is idle (I/O "
                      "wait)"))
+    return True
+
+
+def _displace(cycle: _Cycle, queued: Queued, req: Request) -> bool:
+    """A ready-pool task that found no free idle share stops background backfills in one
+    (`_backfill.displace`), or waits for those already leaving, and takes the share once
+    they are gone: it ranks above them there as everywhere."""
+    job, settings = queued.job, cycle.settings
+    if not (job.tier == "immediate" and settings.preemption and settings.backfill
+            and cycle.ready_left > 0):
+        return False
+    spoken_for = {d.task_id for d in cycle.decisions if isinstance(d, Preempt)}
+    now = cycle.now
+
+    def may_stop(t: Running) -> bool:
+        return (t.job.tier == "background" and t.job.task_id not in spoken_for
+                and not protection(t, now, settings))
+
+    def leaving(t: Running) -> bool:
+        return t.stopping_for in ("", job.task_id) or t.stopping_for not in cycle.queued_ids
+
+    found = _backfill.displace(cycle.packer, req, cycle.running, may_stop, leaving,
+                               lambda t: _preemption.lost_work(t, now))
+    if found is None:
+        return False
+    lender = found.lender.job.task_id
+    for t in found.stop:
+        cycle.emit(Preempt(
+            task_id=t.job.task_id, attempt=t.job.attempt, for_task=job.task_id,
+            grace_s=settings.preempt_grace_s,
+            reason=f"background backfill in {lender}'s idle share yields it to {job.task_id} "
+            f"(immediate tier, ready pool); loses {_preemption.lost_work(t, now):.0f} GPU-s "
+            "since its last checkpoint"))
+    stopped = {t.job.task_id for t in found.stop} | {lender}
+    cycle.victims = [v for v in cycle.victims if not stopped & {
+        r.job.task_id for r, _ in v.frees()}]
+    cycle.idle.pop(lender, None)  # what is left of it is not lent this cycle
+    cycle.emit(Wait(task_id=job.task_id,
+                    reason=f"waiting for {lender}'s idle share: "
+                    + (f"{len(found.stop)} background backfill(s) in it preempted"
+                       if found.stop else "its background backfills are leaving")))
     return True
 
 

@@ -265,6 +265,22 @@ def test_the_ready_pool_is_staged_once_on_the_likely_node() -> None:
     assert [s.task_id for s in stages] == ["w1"]
 
 
+def test_background_tasks_take_the_ready_pool_slots_no_immediate_task_wants() -> None:
+    """A start is a start: a background sweep that stages its inputs on the GPU wastes the
+    share as much as a user's job would. Immediate tasks still come first."""
+    cluster = state(node("n1", 1), running=(running("a", "n1", (0,), 1000),))
+    bg = [queued(f"bg{i}", 1000, at=0.0, tier="background") for i in range(3)]
+    one = [queued("imm", 1000, at=5.0)]
+    staged = [d.task_id for d in decide(cluster, [*bg, *one], 10.0, PolicySettings(ready_pool=2))
+              if isinstance(d, Stage)]
+    assert staged == ["imm", "bg0"]
+    staged = [d.task_id for d in decide(cluster, bg, 10.0, PolicySettings(ready_pool=2))
+              if isinstance(d, Stage)]
+    assert staged == ["bg0", "bg1"]
+    assert not [d for d in decide(cluster, bg, 10.0, PolicySettings(ready_pool=0))
+                if isinstance(d, Stage)]
+
+
 def test_a_staged_task_starts_on_its_staged_node_when_it_fits() -> None:
     cluster = state(node("n1", 2), node("n2", 2))
     assert places(decide(cluster, [queued("t", 1000, staged_on="n2")], 1.0))["t"][0] == "n2"

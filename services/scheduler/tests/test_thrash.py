@@ -7,7 +7,10 @@ has a table case and a hypothesis case over generated clusters:
 2. no task is preempted while staging, before its minimum runtime (any tier), after
    `max_fruitless_preemptions` fruitless attempts until it makes progress, or when it is
    not preemptible;
-3. a paused backfill is stopped only for a waiting task, never on a timer alone.
+3. a paused backfill is stopped only for a waiting task, never on a timer alone;
+4. an idle share goes to the ready pool before the background tier: background backfills
+   in it are stopped for a waiting immediate task that will take it, never for another
+   background task, never while protected, and no more of them than it needs.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from m27.scheduler._preemption import lost_work
 from m27.scheduler.model import (
     ClusterState,
     Place,
@@ -179,8 +183,36 @@ def busy_clusters(draw: st.DrawFn) -> tuple[ClusterState, list[Queued]]:
     return ClusterState(nodes=tuple(nodes), running=tuple(run)), queue
 
 
+@st.composite
+def lent_clusters(draw: st.DrawFn) -> tuple[ClusterState, list[Queued]]:
+    """GPUs held by user work that may not be preempted, often idle, their shares lent to
+    background backfills in every state; a queue of immediate and background tasks."""
+    n = node("n1", draw(st.integers(1, 3)), gpu_mem=16_384)
+    run: list[Running] = []
+    for gpu in n.gpus:
+        owner = f"u{gpu.index}"
+        run.append(running(owner, "n1", (gpu.index,), draw(st.sampled_from([500, 1000])),
+                           started=OLD, idle=draw(st.sampled_from([True, True, False])),
+                           gpu_memory_mb=draw(st.sampled_from([1024, 4096]))))
+        for k in range(draw(st.integers(0, 3))):
+            run.append(running(
+                f"{owner}-bf{k}", "n1", (gpu.index,), draw(st.sampled_from([200, 300, 500])),
+                lender=owner, tier="background", preemptible=True,
+                started=NOW - draw(st.sampled_from([60.0, 5000.0])),
+                last_checkpoint_at=draw(st.sampled_from([None, NOW - 30.0, NOW - 3000.0])),
+                paused=draw(st.booleans()), paused_at=NOW - 60.0,
+                stopping=draw(st.sampled_from([False, False, True])),
+                stopping_for=draw(st.sampled_from(["", "q0"])),
+                gpu_memory_mb=draw(st.sampled_from([0, 2048, 4096]))))
+    queue = [queued(f"q{i}", draw(st.sampled_from([200, 300, 500, 1000])), at=0.0,
+                    tier=draw(st.sampled_from(["immediate", "immediate", "background"])),
+                    gpu_memory_mb=draw(st.sampled_from([0, 2048, 8192])))
+             for i in range(draw(st.integers(1, 4)))]
+    return ClusterState(nodes=(n,), running=tuple(run)), queue
+
+
 @settings(max_examples=200, deadline=None)
-@given(busy_clusters())
+@given(st.one_of(busy_clusters(), lent_clusters()))
 def test_no_protected_task_is_preempted_and_tenants_go_with_their_lender(
         case: tuple[ClusterState, list[Queued]]) -> None:
     cluster, queue = case
@@ -195,9 +227,16 @@ def test_no_protected_task_is_preempted_and_tenants_go_with_their_lender(
             assert tenant.job.task_id in stopped or tenant.stopping, (
                 "a backfill would inherit the share freed for " + d.for_task)
         if victim.lender in by_id and victim.lender not in stopped:  # stopped on its own
-            assert victim.paused
-            assert victim.paused_at is not None
-            assert NOW - victim.paused_at > S.max_pause_s
+            displaced = "yields it to" in d.reason
+            if displaced:  # for a ready-pool task that will take the idle share
+                assert victim.job.tier == "background"
+                assert by_id[victim.lender].idle
+                assert any(q.job.task_id == d.for_task and q.job.tier == "immediate"
+                           for q in queue)
+            else:
+                assert victim.paused
+                assert victim.paused_at is not None
+                assert NOW - victim.paused_at > S.max_pause_s
 
 
 @settings(max_examples=200, deadline=None)
@@ -238,3 +277,112 @@ def test_a_backfill_whose_lender_ended_lends_its_own_share_like_any_task() -> No
                                   gpu_memory_mb=2048)))
     (place,) = [d for d in decide(full, [bg], NOW) if isinstance(d, Place)]
     assert place.lender == "was-bf"
+
+
+# -- 4. an idle share goes to the ready pool before the background tier ------------------
+
+def _md_lending(*sweeps: Running) -> ClusterState:
+    """A whole-GPU MD run writing its trajectory (idle), its share lent to sweeps."""
+    return state(node("n1", 1, gpu_mem=16_384), running=(
+        running("md", "n1", (0,), 1000, started=OLD, idle=True, gpu_memory_mb=2048),
+        *sweeps))
+
+
+def _sweep(name: str, **kw: object) -> Running:
+    base: dict[str, object] = {"lender": "md", "tier": "background", "preemptible": True,
+                               "started": OLD, "gpu_memory_mb": 4096}
+    base.update(kw)
+    return running(name, "n1", (0,), 500, **base)  # type: ignore[arg-type]
+
+
+TRAIN = queued("train", 500, at=NOW - 600, gpu_memory_mb=8192)
+
+
+def test_background_backfills_give_an_idle_share_to_a_ready_pool_task() -> None:
+    """The night training that waited behind two sweeps paused in the MD run's share for
+    hours: now the sweep that loses least work yields, and the training takes its place."""
+    cluster = _md_lending(_sweep("sweep-a", last_checkpoint_at=NOW - 60),
+                          _sweep("sweep-b", last_checkpoint_at=NOW - 900))
+    decisions = decide(cluster, [TRAIN], NOW)
+    assert preempted(decisions) == ["sweep-a"]  # one is enough; it loses 60 s, not 900
+    (stop,) = [d for d in decisions if isinstance(d, Preempt)]
+    assert stop.for_task == "train"
+    assert "md's idle share" in waits(decisions)["train"]
+    # While it checkpoints, nothing more is stopped and its share is not lent again.
+    leaving = _md_lending(_sweep("sweep-a", last_checkpoint_at=NOW - 60, stopping=True,
+                                 stopping_for="train"),
+                          _sweep("sweep-b", last_checkpoint_at=NOW - 900))
+    sweep_c = queued("sweep-c", 500, at=0.0, tier="background", gpu_memory_mb=4096)
+    decisions = decide(leaving, [TRAIN, sweep_c], NOW + 30)
+    assert preempted(decisions) == []
+    assert not [d for d in decisions if isinstance(d, Place)]
+    assert "leaving" in waits(decisions)["train"]
+    # Once it is gone the training backfills into the MD run's idle share.
+    gone = _md_lending(_sweep("sweep-b", last_checkpoint_at=NOW - 900))
+    (place,) = [d for d in decide(gone, [TRAIN, sweep_c], NOW + 90) if isinstance(d, Place)]
+    assert (place.task_id, place.lender) == ("train", "md")
+
+
+def test_an_idle_share_is_not_taken_from_backfills_that_may_not_be_stopped() -> None:
+    young = NOW - S.min_runtime_s / 2
+    cases = {
+        "a background task asks": (_md_lending(_sweep("s1"), _sweep("s2")),
+                                   queued("bg", 500, at=0.0, tier="background",
+                                          gpu_memory_mb=4096)),
+        "the backfills are user work": (
+            _md_lending(_sweep("s1", tier="immediate", preemptible=False),
+                        _sweep("s2", tier="immediate", preemptible=False)), TRAIN),
+        "they computed less than the min runtime": (
+            _md_lending(_sweep("s1", started=young), _sweep("s2", started=young)), TRAIN),
+        "the lender is computing (its backfills are paused)": (
+            state(node("n1", 1), running=(
+                running("md", "n1", (0,), 1000, started=OLD, gpu_memory_mb=2048),
+                _sweep("s1", paused=True, paused_at=NOW - 60),
+                _sweep("s2", paused=True, paused_at=NOW - 60))), TRAIN),
+        "stopping both would not make room (GPU memory)": (
+            _md_lending(_sweep("s1"), _sweep("s2")),
+            queued("big", 500, at=0.0, gpu_memory_mb=15_000)),
+    }
+    for why, (cluster, asker) in cases.items():
+        decisions = decide(cluster, [asker], NOW)
+        assert preempted(decisions) == [], why
+        assert asker.job.task_id in waits(decisions), why
+
+
+def test_the_ready_pool_limits_who_may_take_an_idle_share() -> None:
+    """Only the first `ready_pool` waiting immediate tasks may: the others wait their turn."""
+    cluster = _md_lending(_sweep("s1"), _sweep("s2"))
+    queue = [queued(f"t{i}", 500, at=NOW - 600 + i, gpu_memory_mb=4096) for i in range(4)]
+    decisions = decide(cluster, queue, NOW, PolicySettings(ready_pool=1))
+    assert len(preempted(decisions)) == 1
+    assert {d.for_task for d in decisions if isinstance(d, Preempt)} == {"t0"}
+    assert preempted(decide(cluster, queue, NOW, PolicySettings(ready_pool=0))) == []
+
+
+@settings(max_examples=200, deadline=None)
+@given(lent_clusters())
+def test_backfills_are_displaced_only_as_far_as_the_ready_pool_needs(
+        case: tuple[ClusterState, list[Queued]]) -> None:
+    """Per lender, the backfills stopped for one task free at least the share it needs, and
+    they are the cheapest ones there: none left running would have lost less work."""
+    cluster, queue = case
+    decisions = decide(cluster, queue, NOW)
+    by_id = {r.job.task_id: r for r in cluster.running}
+    asks = {q.job.task_id: q for q in queue}
+    all_stopped = {d.task_id for d in decisions if isinstance(d, Preempt)}
+    groups: dict[tuple[str, str], list[Running]] = {}
+    for d in decisions:
+        if isinstance(d, Preempt) and "yields it to" in d.reason:
+            victim = by_id[d.task_id]
+            assert asks[d.for_task].job.tier == "immediate"
+            groups.setdefault((victim.lender, d.for_task), []).append(victim)
+    for (lender, for_task), stopped in groups.items():
+        share = by_id[lender].gpu_milli
+        tenants = [r for r in cluster.running if r.lender == lender]
+        kept = sum(r.gpu_milli for r in tenants if r not in stopped and not r.stopping)
+        assert share - kept >= asks[for_task].job.gpu_milli
+        dearest = max(lost_work(r, NOW) for r in stopped)
+        for r in tenants:
+            if (r.job.task_id not in all_stopped and not r.stopping
+                    and protection(r, NOW, S) == "" and r.job.tier == "background"):
+                assert lost_work(r, NOW) >= dearest, (r.job.task_id, "was cheaper to stop")

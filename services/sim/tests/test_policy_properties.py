@@ -34,8 +34,8 @@ from m27.scheduler.model import (
 )
 from m27.sim import SimConfig, SimJob, Trace, make_nodes, make_policy, simulate, summarize
 from m27.sim._capacity import FreeMap, demand_milli, gpus_needed
-from m27.sim._policies import expected_wall_s
 from m27.sim._traces import read_jsonl
+from m27.sim._workload import expected_wall_s
 
 HERE = Path(__file__).parent
 #: m27 may keep this much less work than FIFO by FIFO's end (a share of the GPU time):
@@ -237,3 +237,21 @@ def test_the_minimal_livelock_case_finishes_every_job_with_a_handful_of_preempti
     assert m27_sum.goodput >= fifo_sum.goodput - 0.005
     md = next(o for o in raw.outcomes if o.task_id == "md-0")
     assert md.attempts == 1  # not preemptible: it ran once, start to end
+
+
+def test_a_ready_pool_task_is_not_left_behind_background_backfills() -> None:
+    """One GPU: an MD run (not preemptible) writes its trajectory every 10 min, and two
+    0.5-GPU sweeps fill its idle share at once, then stay paused in it between writes. A
+    0.5-GPU training arrives an hour later. Before, the share stayed lent to the sweeps and
+    the training waited for the MD run to end (7.5 h); now a sweep yields the share, and the
+    training is done before the MD run is."""
+    trace = read_jsonl(HERE / "ready_pool_behind_sweeps.jsonl")
+    raw = simulate(trace, make_policy("m27", trace), SimConfig(horizon_s=24 * 3600.0))
+    ends = {o.task_id: o.end_s for o in raw.outcomes}
+    assert all(end is not None for end in ends.values())
+    train, md = ends["train-0"], ends["md-0"]
+    assert train is not None
+    assert md is not None
+    assert train < md
+    assert raw.preemptions <= 2
+    assert all(o.attempts == 1 for o in raw.outcomes if o.tier == "immediate")
