@@ -39,13 +39,14 @@ import msgspec
 
 from m27.sim import (
     LabParams,
+    Nights,
     RawRun,
     SimConfig,
-    SimJob,
     Trace,
     demand_bound,
     generate_lab,
     make_policy,
+    night_check,
     policy_version,
     simulate,
     summarize,
@@ -81,6 +82,8 @@ class Row:
     preemptions: int
     lost_gpu_h: float
     seconds: float
+    held_staging: float = 0.0  # GPU time held by own shares while staging / GPU time
+    held_io: float = 0.0  # ... while in I/O (idle unless something backfills it)
 
 
 def footprint_name(md_mb: int, sweep_mb: int) -> str:
@@ -113,7 +116,9 @@ def run(cluster: str, policy: str, params: LabParams, trace: Trace) -> tuple[Row
               goodput=m.goodput, allocation=m.allocation, finished=m.completed, jobs=m.jobs,
               night_jobs=m.night_jobs, night_by_9=m.night_done_by_9,
               preemptions=m.preemptions, lost_gpu_h=m.lost_gpu_h,
-              seconds=time.perf_counter() - start)
+              seconds=time.perf_counter() - start,
+              held_staging=raw.held_staging_gpu_s / (raw.gpus * raw.span_s),
+              held_io=raw.held_io_gpu_s / (raw.gpus * raw.span_s))
     return row, raw
 
 
@@ -273,55 +278,6 @@ GRID: tuple[tuple[str, dict[str, Any]], ...] = (
 )
 
 
-def wall_s(sim: SimJob) -> float:
-    """Its wall time alone on its share: staging, compute, and the I/O phases between."""
-    io = sim.duration_s / sim.io_every_s * sim.io_s if sim.io_every_s > 0 else 0.0
-    return sim.stage_s + sim.duration_s + io
-
-
-def gpus_of(sim: SimJob) -> float:
-    milli = sim.job.gpu_milli
-    return milli / 1000 if milli < 1000 else float(milli // 1000)
-
-
-def night_demand(trace: Trace, morning: float) -> float:
-    """GPU-s of immediate-tier work that must run 18:00–09:00 before `morning`: the night's
-    submissions (wall time alone, up to 09:00) and what the day's work still needs after
-    18:00 even if each started at its submission (a lower bound)."""
-    evening, total = morning - 15 * 3600.0, 0.0
-    for sim in trace.jobs:
-        if sim.job.tier != "immediate" or sim.job.gpu_milli <= 0 or sim.submit_s >= morning:
-            continue
-        start = max(sim.submit_s, evening)
-        total += gpus_of(sim) * max(0.0, min(sim.submit_s + wall_s(sim), morning) - start)
-    return total
-
-
-@dataclass(frozen=True)
-class Night:
-    """Night jobs (the engine's: immediate tier, 18:00–08:00, 09:00 inside the span) of
-    the nights whose demand fits, that alone could finish by 09:00, and how many did."""
-
-    nights: int
-    nights_fit: int
-    jobs: int
-    done: int
-
-
-def night_check(trace: Trace, raw: RawRun) -> Night:
-    """A night fits when `night_demand` ≤ GPUs × 15 h (18:00–09:00); in one that fits, a
-    job counts unless submission + its wall time alone is past 09:00."""
-    sims = {s.job.task_id: s for s in trace.jobs}
-    night = [o for o in raw.outcomes if o.night and o.morning_s is not None]
-    mornings = sorted({o.morning_s for o in night if o.morning_s is not None})
-    fit = {m for m in mornings if night_demand(trace, m) <= raw.gpus * 15 * 3600.0}
-    counted = [o for o in night if o.morning_s in fit
-               and o.submit_s + wall_s(sims[o.task_id]) <= o.morning_s]
-    done = [o for o in counted if o.end_s is not None and o.end_s <= (o.morning_s or 0.0)]
-    return Night(nights=len(mornings), nights_fit=len(fit), jobs=len(counted),
-                 done=len(done))
-
-
 @dataclass(frozen=True)
 class Cell:
     cluster: str
@@ -331,7 +287,9 @@ class Cell:
     busy: float
     goodput: dict[str, float]  # policy -> mean goodput
     preempt_per_gpu_h: float
-    night: Night  # summed over seeds
+    night: Nights  # summed over seeds
+    night_all: tuple[int, int]  # (done by 09:00, night jobs) of every night, fitting or not
+    held: tuple[float, float]  # m27: GPU time held while staging, in I/O (fractions)
     preempted: dict[str, int]  # m27 preemptions by kind of task, summed over seeds
     seconds: float
 
@@ -354,7 +312,7 @@ def grid_cell(cluster: str, name: str, changes: dict[str, Any], seeds: list[int]
               hours: float) -> Cell:
     start = time.perf_counter()
     rows: dict[str, list[Row]] = {p: [] for p in GRID_POLICIES}
-    nights: list[Night] = []
+    nights = Nights(nights=0, nights_fit=0, jobs=0, done=0)
     kinds: Counter[str] = Counter()
     for seed in seeds:
         params = lab(cluster, seed, hours, **changes)
@@ -363,7 +321,7 @@ def grid_cell(cluster: str, name: str, changes: dict[str, Any], seeds: list[int]
             row, raw = run(cluster, policy, params, trace)
             rows[policy].append(row)
             if policy == "m27":
-                nights.append(night_check(trace, raw))
+                nights += night_check(trace, raw.outcomes)
                 for o in raw.outcomes:
                     kinds[o.kind] += o.preemptions
     m27, (nodes, per_node) = rows["m27"], CLUSTERS[cluster]
@@ -371,8 +329,9 @@ def grid_cell(cluster: str, name: str, changes: dict[str, Any], seeds: list[int]
                 busy=mean(m27, "utilization"),
                 goodput={p: mean(r, "goodput") for p, r in rows.items()},
                 preempt_per_gpu_h=mean(m27, "preemptions") / (nodes * per_node * hours),
-                night=Night(*(sum(getattr(n, f) for n in nights)
-                              for f in ("nights", "nights_fit", "jobs", "done"))),
+                night=nights,
+                night_all=(sum(r.night_by_9 for r in m27), sum(r.night_jobs for r in m27)),
+                held=(mean(m27, "held_staging"), mean(m27, "held_io")),
                 preempted={k: v for k, v in kinds.most_common() if v},
                 seconds=time.perf_counter() - start)
 
@@ -383,16 +342,20 @@ def grid_row(c: Cell) -> str:
              "nights)" if n.jobs else f"— (0/{n.nights} nights fit)")
     kinds = ", ".join(f"{k} {v}" for k, v in c.preempted.items()) or "—"
     return (f"| {c.cluster} | {c.cell} | {c.seeds} | {100 * c.demand:.1f} | "
-            f"{100 * c.busy:.1f} | {100 * c.goodput['m27']:.1f} | "
+            f"{100 * c.busy:.1f} | {100 * c.held[0]:.1f} / {100 * c.held[1]:.1f} | "
+            f"{100 * c.goodput['m27']:.1f} | "
             f"{100 * c.goodput['fifo']:.1f} | {100 * c.goodput['slurm']:.1f} | "
-            f"{c.preempt_per_gpu_h:.3f} | {night} | {kinds} | "
+            f"{c.preempt_per_gpu_h:.3f} | {night} | {c.night_all[0]}/{c.night_all[1]} | "
+            f"{kinds} | "
             f"{', '.join(c.misses()) or 'all met'} |")
 
 
-GRID_HEAD = ("| cluster | cell | seeds | demand bound % | m27 busy % | m27 goodput % | "
+GRID_HEAD = ("| cluster | cell | seeds | demand bound % | m27 busy % | "
+             "m27 GPU held while staging / in I/O % | m27 goodput % | "
              "FIFO goodput % | Slurm goodput % | m27 preemptions / GPU-h | "
-             "m27 night jobs by 09:00 % (fitting nights) | m27 preempted (by kind) | "
-             "misses |\n|---|---|---|---|---|---|---|---|---|---|---|---|")
+             "m27 night jobs by 09:00 % (fitting nights) | m27 all nights | "
+             "m27 preempted (by kind) | "
+             "misses |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 
 
 def run_grid(clusters: list[str], seeds: dict[str, list[int]], hours: float,
@@ -424,7 +387,8 @@ def grid_main(args: argparse.Namespace, clusters: list[str], version: str) -> No
     start = time.perf_counter()
     cells = run_grid(clusters, seeds, args.hours, names)
     if args.json:
-        print(json.dumps({"cells": [asdict(c) | {"misses": c.misses()} for c in cells]},
+        print(json.dumps({"cells": [asdict(c) | {"night": msgspec.to_builtins(c.night),
+                                           "misses": c.misses()} for c in cells]},
                          indent=2))
     print(f"  grid: {time.perf_counter() - start:.0f} s", file=sys.stderr)
 

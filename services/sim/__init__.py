@@ -15,6 +15,7 @@ from m27.sim._metrics import (
     format_table,
     summarize,
 )
+from m27.sim._nights import Nights, night_check, night_demand
 from m27.sim._plots import jct_cdf_svg, utilization_svg
 from m27.sim._policies import POLICY_HELP, POLICY_NAMES, m27_policy, make_policy, policy_version
 from m27.sim._traces import read_jsonl, read_openb, read_philly, read_trace, write_jsonl
@@ -26,6 +27,7 @@ __all__ = [
     "JobOutcome",
     "LabParams",
     "Metrics",
+    "Nights",
     "RawRun",
     "Sample",
     "SimConfig",
@@ -41,6 +43,8 @@ __all__ = [
     "m27_policy",
     "make_nodes",
     "make_policy",
+    "night_check",
+    "night_demand",
     "policy_version",
     "read_jsonl",
     "read_openb",

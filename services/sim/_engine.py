@@ -111,6 +111,8 @@ class _Counters:
     alloc: float = 0.0
     work: float = 0.0
     lost: float = 0.0
+    held_staging: float = 0.0
+    held_io: float = 0.0
     preemptions: int = 0
     failures: int = 0
     calls: int = 0
@@ -131,6 +133,7 @@ class _Sim:
         self.staged: dict[str, tuple[str, float]] = {}  # task → (node, ready at)
         self.c = _Counters()
         self.rates = (0.0, 0.0, 0.0)  # busy GPUs, allocated GPUs, work GPUs: now
+        self.held = (0.0, 0.0)  # GPUs held by their own tasks while staging, while in I/O
         self.buckets: dict[int, list[float]] = {}
         self.last_progress = 0.0
         self.arrivals_left = 0
@@ -184,6 +187,8 @@ class _Sim:
         self.c.busy += busy * dt
         self.c.alloc += alloc * dt
         self.c.work += work * dt
+        self.c.held_staging += self.held[0] * dt
+        self.c.held_io += self.held[1] * dt
         self.add_to_buckets(self.now, to, busy, alloc, work)
         for task in self.running.values():
             self.progress(task, dt, to)
@@ -249,9 +254,15 @@ class _Sim:
                 alloc_on[key] = alloc_on.get(key, 0) + (0 if task.lender else task.milli)
                 if task.busy:
                     busy_on[key] = busy_on.get(key, 0) + task.demand
-        work = 0.0
+        work = staging = io = 0.0
         compute_on: dict[tuple[str, int], float] = {}
         for task in self.running.values():
+            if task.phase == "io" and not task.lender and task.gpu_ids:
+                held = task.milli * len(task.gpu_ids) / MILLI_PER_GPU
+                if task.staging:
+                    staging += held
+                else:
+                    io += held
             task.rate = min((min(1.0, MILLI_PER_GPU / busy_on[(task.node_id, i)])
                              for i in task.gpu_ids if busy_on.get((task.node_id, i))),
                             default=1.0)
@@ -265,6 +276,7 @@ class _Sim:
         busy = sum(min(MILLI_PER_GPU, v) for v in busy_on.values()) / MILLI_PER_GPU
         alloc = sum(min(MILLI_PER_GPU, v) for v in alloc_on.values()) / MILLI_PER_GPU
         self.rates = (busy, alloc, work)
+        self.held = (staging, io)
 
     def wake(self, task: _Task) -> None:
         at = math.inf
@@ -475,6 +487,7 @@ class _Sim:
         return RawRun(
             gpus=gpu_count(self.trace.nodes), span_s=end, busy_gpu_s=self.c.busy,
             alloc_gpu_s=self.c.alloc, work_gpu_s=self.c.work, lost_gpu_s=self.c.lost,
+            held_staging_gpu_s=self.c.held_staging, held_io_gpu_s=self.c.held_io,
             preemptions=self.c.preemptions, failures=self.c.failures,
             policy_calls=self.c.calls, max_gpu_compute_milli=self.c.max_gpu_compute,
             rejected=dict(self.c.rejected), outcomes=outcomes, samples=samples,

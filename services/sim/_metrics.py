@@ -52,6 +52,10 @@ class RawRun(msgspec.Struct, frozen=True, kw_only=True):
     outcomes: tuple[JobOutcome, ...]
     samples: tuple[Sample, ...]
     not_arrived: int = 0
+    #: GPU time held by tasks' own shares (not backfills) while they stage their inputs /
+    #: wait on I/O: idle unless a backfill or a co-located task uses it.
+    held_staging_gpu_s: float = 0.0
+    held_io_gpu_s: float = 0.0
 
 
 class Metrics(msgspec.Struct, frozen=True, kw_only=True):

@@ -5,7 +5,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import importlib
-import math
 from pathlib import Path
 from typing import Final
 
@@ -13,7 +12,7 @@ from m27.scheduler.model import Policy, PolicySettings
 from m27.sim._baselines import best_fit, fifo, slurm_backfill, tiresias
 from m27.sim._byhand import ByHand
 from m27.sim._errors import SimError
-from m27.sim._workload import SimJob, Trace
+from m27.sim._workload import Trace, expected_wall_s
 
 POLICY_HELP: Final = {
     "m27": "m27's own policy (m27.scheduler.policy.decide), default settings",
@@ -26,12 +25,6 @@ POLICY_HELP: Final = {
 POLICY_NAMES: Final = tuple(POLICY_HELP)
 #: Slurm users ask for more time than they need; the limit is this × the expected wall time.
 LIMIT_FACTOR: Final = 1.5
-
-
-def expected_wall_s(sim: SimJob) -> float:
-    """Solo-speed wall time: compute plus its I/O phases plus staging."""
-    phases = math.ceil(sim.duration_s / sim.io_every_s) - 1 if sim.io_every_s > 0 else 0
-    return sim.duration_s + max(0, phases) * sim.io_s + sim.stage_s
 
 
 def m27_policy(settings: PolicySettings | None = None) -> Policy:

@@ -6,6 +6,7 @@ much compute it needs at solo speed, and how its GPU goes idle (periodic I/O pha
 
 from __future__ import annotations
 
+import math
 from typing import Final
 
 import msgspec
@@ -54,6 +55,18 @@ def make_nodes(count: int, gpus_per_node: int, *, gpu_memory_mb: int = 16_384,
         for i in range(count))
 
 
+def expected_wall_s(sim: SimJob) -> float:
+    """Solo-speed wall time: compute plus its I/O phases plus staging."""
+    phases = math.ceil(sim.duration_s / sim.io_every_s) - 1 if sim.io_every_s > 0 else 0
+    return sim.duration_s + max(0, phases) * sim.io_s + sim.stage_s
+
+
+def gpus_of(sim: SimJob) -> float:
+    """The GPUs it holds: its share of one, or its whole GPUs."""
+    milli = sim.job.gpu_milli
+    return milli / MILLI_PER_GPU if milli < MILLI_PER_GPU else float(milli // MILLI_PER_GPU)
+
+
 def gpu_count(nodes: tuple[Node, ...]) -> int:
     return sum(len(n.gpus) for n in nodes)
 
@@ -65,10 +78,8 @@ def demand_bound(trace: Trace, horizon_s: float) -> float:
         return 0.0
     work = 0.0
     for sim in trace.jobs:
-        milli = sim.job.gpu_milli
-        if sim.submit_s < horizon_s and milli > 0:
-            work += sim.duration_s * (min(milli, MILLI_PER_GPU) / MILLI_PER_GPU
-                                      * max(1, milli // MILLI_PER_GPU))
+        if sim.submit_s < horizon_s and sim.job.gpu_milli > 0:
+            work += sim.duration_s * gpus_of(sim)
     return min(1.0, work / (gpu_count(trace.nodes) * horizon_s))
 
 

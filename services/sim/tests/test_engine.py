@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Sequence
 
+import msgspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -97,11 +98,23 @@ def test_invariants_hold_for_random_traces(
     assert m.completed == len(sims)
     assert m.goodput <= m.utilization + 1e-9 <= m.allocation + 2e-9 <= 1.0 + 3e-9
     assert raw.max_gpu_compute_milli <= MILLI_PER_GPU + 1e-6
+    assert raw.held_staging_gpu_s + raw.held_io_gpu_s <= raw.alloc_gpu_s + 1e-6
     assert not raw.rejected
     for o, s in zip(sorted(raw.outcomes, key=lambda o: o.task_id),
                     sorted(sims, key=lambda s: s.job.task_id), strict=True):
         assert o.end_s is not None
         assert o.end_s >= s.submit_s + s.duration_s - 1e-6
+
+
+def test_gpu_time_held_while_staging_and_in_io_is_counted() -> None:
+    """A half GPU that stages 600 s, computes 2 × 600 s with one 100 s I/O phase between."""
+    job = msgspec.structs.replace(sim_job("j", at=0.0, duration=1200.0, milli=500,
+                                          io_every=600.0, io_s=100.0), stage_s=600.0)
+    trace = Trace(name="t", nodes=make_nodes(1, 1), jobs=(job,))
+    raw = simulate(trace, make_policy("m27", trace), SimConfig(tick_s=300.0))
+    assert raw.held_staging_gpu_s == pytest.approx(0.5 * 600.0)
+    assert raw.held_io_gpu_s == pytest.approx(0.5 * 100.0)
+    assert raw.alloc_gpu_s == pytest.approx(0.5 * (600.0 + 1200.0 + 100.0))
 
 
 class Backfill:
