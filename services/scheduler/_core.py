@@ -205,8 +205,8 @@ def _consider(cycle: _Cycle, queued: Queued, score: Score, rank: int) -> None:
         action, reason = "preempt", _last_wait_reason(cycle)
     elif _backfill_into(cycle, queued, req):
         action, reason = "backfill", _last_place_reason(cycle)
-    elif _displace(cycle, queued, req):
-        action, reason = "preempt", _last_wait_reason(cycle)
+    elif displaced := _displace(cycle, queued, req):
+        action, reason = displaced, _last_wait_reason(cycle)
     else:
         action, reason = "wait", cycle.wait_reason(req)
         if job.tier == "background":
@@ -353,14 +353,14 @@ def _backfill_into(cycle: _Cycle, queued: Queued, req: Request) -> bool:
     return True
 
 
-def _displace(cycle: _Cycle, queued: Queued, req: Request) -> bool:
+def _displace(cycle: _Cycle, queued: Queued, req: Request) -> Literal["preempt", "wait", ""]:
     """A ready-pool task that found no free idle share stops background backfills in one
     (`_backfill.displace`), or waits for those already leaving, and takes the share once
     they are gone: it ranks above them there as everywhere."""
     job, settings = queued.job, cycle.settings
     if not (job.tier == "immediate" and settings.preemption and settings.backfill
             and cycle.ready_left > 0):
-        return False
+        return ""
     spoken_for = {d.task_id for d in cycle.decisions if isinstance(d, Preempt)}
     now = cycle.now
 
@@ -374,7 +374,7 @@ def _displace(cycle: _Cycle, queued: Queued, req: Request) -> bool:
     found = _backfill.displace(cycle.packer, req, cycle.running, may_stop, leaving,
                                lambda t: _preemption.lost_work(t, now))
     if found is None:
-        return False
+        return ""
     lender = found.lender.job.task_id
     for t in found.stop:
         cycle.emit(Preempt(
@@ -391,7 +391,7 @@ def _displace(cycle: _Cycle, queued: Queued, req: Request) -> bool:
                     reason=f"waiting for {lender}'s idle share: "
                     + (f"{len(found.stop)} background backfill(s) in it preempted"
                        if found.stop else "its background backfills are leaving")))
-    return True
+    return "preempt" if found.stop else "wait"
 
 
 def _last_wait_reason(cycle: _Cycle) -> str:

@@ -27,7 +27,7 @@ from m27.scheduler.model import (
     Queued,
     Running,
 )
-from m27.scheduler.policy import decide, protection
+from m27.scheduler.policy import decide, explain, protection
 from m27.scheduler.tests.support import node, preempted, queued, running, state, waits
 
 S = PolicySettings()
@@ -308,6 +308,7 @@ def test_background_backfills_give_an_idle_share_to_a_ready_pool_task() -> None:
     (stop,) = [d for d in decisions if isinstance(d, Preempt)]
     assert stop.for_task == "train"
     assert "md's idle share" in waits(decisions)["train"]
+    assert [e.action for e in explain(cluster, [TRAIN], NOW)] == ["preempt"]
     # While it checkpoints, nothing more is stopped and its share is not lent again.
     leaving = _md_lending(_sweep("sweep-a", last_checkpoint_at=NOW - 60, stopping=True,
                                  stopping_for="train"),
@@ -317,6 +318,7 @@ def test_background_backfills_give_an_idle_share_to_a_ready_pool_task() -> None:
     assert preempted(decisions) == []
     assert not [d for d in decisions if isinstance(d, Place)]
     assert "leaving" in waits(decisions)["train"]
+    assert explain(leaving, [TRAIN], NOW + 30)[0].action == "wait"
     # Once it is gone the training backfills into the MD run's idle share.
     gone = _md_lending(_sweep("sweep-b", last_checkpoint_at=NOW - 900))
     (place,) = [d for d in decide(gone, [TRAIN, sweep_c], NOW + 90) if isinstance(d, Place)]
