@@ -112,6 +112,13 @@ def build_packer(state: ClusterState, queue: Sequence[Queued],
             if col >= 0:
                 gpus[col] = (0 if lent else r.gpu_milli, packer.gpu_memory(own, node, col))
         packer.hold(node, gpus, r.job.cpu_milli, r.job.memory_mb)
+    for r in sorted((r for r in state.running if moving(r, alive)),
+                    key=lambda r: r.job.task_id):
+        req = request_of(r.job)  # what it moves into is held until it is placed there
+        choice = packer.choose(req)
+        if choice is not None:
+            packer.take(choice.node,
+                        [packer.col_of(choice.node, g) for g in choice.gpu_ids], req)
     return packer
 
 
@@ -188,9 +195,68 @@ def run_cycle(state: ClusterState, queue: Sequence[Queued], now: float,
         cycle.emit(decision)
     spoken_for = {d.task_id for d in cycle.decisions if isinstance(d, Preempt)}
     cycle.victims = _victims(state, now, settings, spoken_for)
-    for rank, (queued, score) in enumerate(order(queue, now, settings), start=1):
-        _consider(cycle, queued, score, rank)
+    movers = _movers(state, now, settings, spoken_for)
+    rank = 0
+    for queued, score in order([*queue, *movers.values()], now, settings):
+        if queued.job.task_id in movers:
+            _move(cycle, movers[queued.job.task_id].running, queued, score)
+        else:
+            rank += 1
+            _consider(cycle, queued, score, rank)
     return cycle.decisions, cycle.explanations
+
+
+class _Mover(Queued, frozen=True, kw_only=True):
+    """A ready-pool backfill that may move to capacity of its own (ranked as if queued)."""
+
+    running: Running
+
+
+def _movers(state: ClusterState, now: float, settings: PolicySettings,
+            spoken_for: set[str]) -> dict[str, _Mover]:
+    """Immediate backfills that keep their place in the queue: a backfill is a head start,
+    not a placement. One that checkpoints and may be stopped now (the protection rules,
+    its own preemptibility aside: the stop is for its own sake) moves when capacity it fits
+    frees, ranked by its score as a queued task would be."""
+    alive = {r.job.task_id for r in state.running}
+    out: dict[str, _Mover] = {}
+    for r in state.running:
+        if (r.job.tier != "immediate" or not r.job.checkpoints or not r.lender
+                or r.lender not in alive or r.job.task_id in spoken_for):
+            continue
+        as_preemptible = msgspec.structs.replace(
+            r, job=msgspec.structs.replace(r.job, preemptible=True))
+        if protection(as_preemptible, now, settings):
+            continue
+        out[r.job.task_id] = _Mover(job=r.job, queued_at=r.queued_at,
+                                    attained_gpu_s=r.attained_gpu_s, running=r)
+    return out
+
+
+def _move(cycle: _Cycle, running: Running, queued: Queued, score: Score) -> None:
+    """Checkpoint-and-stop a ready-pool backfill for capacity of its own, held for it
+    (`build_packer` keeps holding it while it stops; it is placed there when requeued)."""
+    req = request_of(queued.job)
+    choice = _choose(cycle.packer, req, "", cycle.failed)
+    if choice is None:
+        return
+    packer = cycle.packer
+    packer.take(choice.node, [packer.col_of(choice.node, g) for g in choice.gpu_ids], req)
+    job = running.job
+    where = f"GPU {','.join(map(str, choice.gpu_ids))} on {packer.nodes[choice.node].node_id}"
+    cycle.emit(Preempt(task_id=job.task_id, attempt=job.attempt, for_task=job.task_id,
+                       grace_s=cycle.settings.preempt_grace_s,
+                       reason=f"score {score.total:.0f}: backfill in {running.lender}'s idle "
+                       f"share moves to capacity of its own ({where}, held for it): "
+                       "checkpoint and restart there"))
+    cycle.victims = [v for v in cycle.victims if job.task_id not in {
+        r.job.task_id for r, _ in v.frees()}]
+
+
+def moving(r: Running, alive: set[str]) -> bool:
+    """A backfill stopping to move to capacity of its own (`_move`)."""
+    return r.stopping and r.stopping_for == r.job.task_id and bool(r.lender) and (
+        r.lender in alive)
 
 
 def _consider(cycle: _Cycle, queued: Queued, score: Score, rank: int) -> None:

@@ -15,6 +15,7 @@ has a table case and a hypothesis case over generated clusters:
 
 from __future__ import annotations
 
+import msgspec
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -28,7 +29,7 @@ from m27.scheduler.model import (
     Running,
 )
 from m27.scheduler.policy import decide, explain, protection
-from m27.scheduler.tests.support import node, preempted, queued, running, state, waits
+from m27.scheduler.tests.support import node, places, preempted, queued, running, state, waits
 
 S = PolicySettings()
 NOW = 100_000.0
@@ -190,14 +191,18 @@ def lent_clusters(draw: st.DrawFn) -> tuple[ClusterState, list[Queued]]:
     n = node("n1", draw(st.integers(1, 3)), gpu_mem=16_384)
     run: list[Running] = []
     for gpu in n.gpus:
+        if draw(st.integers(0, 4)) == 0:
+            continue  # a free GPU: a ready-pool backfill may move there
         owner = f"u{gpu.index}"
         run.append(running(owner, "n1", (gpu.index,), draw(st.sampled_from([500, 1000])),
                            started=OLD, idle=draw(st.sampled_from([True, True, False])),
                            gpu_memory_mb=draw(st.sampled_from([1024, 4096]))))
         for k in range(draw(st.integers(0, 3))):
+            user = draw(st.sampled_from([False, False, True]))  # a ready-pool task
             run.append(running(
                 f"{owner}-bf{k}", "n1", (gpu.index,), draw(st.sampled_from([200, 300, 500])),
-                lender=owner, tier="background", preemptible=True,
+                lender=owner, tier="immediate" if user else "background",
+                preemptible=not user, checkpoints=draw(st.booleans()),
                 started=NOW - draw(st.sampled_from([60.0, 5000.0])),
                 last_checkpoint_at=draw(st.sampled_from([None, NOW - 30.0, NOW - 3000.0])),
                 paused=draw(st.booleans()), paused_at=NOW - 60.0,
@@ -221,6 +226,13 @@ def test_no_protected_task_is_preempted_and_tenants_go_with_their_lender(
     stopped = {d.task_id: d for d in decisions if isinstance(d, Preempt)}
     for task_id, d in stopped.items():
         victim = by_id[task_id]
+        if d.for_task == task_id:  # a ready-pool backfill moving to capacity of its own
+            assert victim.job.tier == "immediate"
+            assert victim.job.checkpoints
+            assert victim.lender in by_id
+            assert protection(msgspec.structs.replace(victim, job=msgspec.structs.replace(
+                victim.job, preemptible=True)), NOW, S) == ""
+            continue
         assert protection(victim, NOW, S) == "", (victim, d.reason)
         assert d.for_task, "every preemption here is for a waiting task (no drain, no timer)"
         for tenant in (r for r in cluster.running if r.lender == task_id):
@@ -388,3 +400,58 @@ def test_backfills_are_displaced_only_as_far_as_the_ready_pool_needs(
             if (r.job.task_id not in all_stopped and not r.stopping
                     and protection(r, NOW, S) == "" and r.job.tier == "background"):
                 assert lost_work(r, NOW) >= dearest, (r.job.task_id, "was cheaper to stop")
+
+
+# -- 5. a ready-pool backfill keeps its place in the queue --------------------------------
+
+def _two_gpus(*backfills: Running, second: tuple[Running, ...] = ()) -> ClusterState:
+    return state(node("n1", 2, gpu_mem=16_384), running=(
+        running("md", "n1", (0,), 1000, started=OLD, idle=True, gpu_memory_mb=2048),
+        *backfills, *second))
+
+
+def _train(**kw: object) -> Running:
+    base: dict[str, object] = {"lender": "md", "started": OLD, "checkpoints": True,
+                               "gpu_memory_mb": 8192, "queued_at": 10.0}
+    base.update(kw)
+    return running("train", "n1", (0,), 1000, **base)  # type: ignore[arg-type]
+
+
+def test_a_ready_pool_backfill_moves_to_free_capacity_and_it_is_held_for_it() -> None:
+    bg = queued("bg", 1000, at=0.0, tier="background")
+    later = queued("later", 1000, at=NOW - 60)  # immediate, but waited less than train
+    decisions = decide(_two_gpus(_train()), [bg, later], NOW)
+    (stop,) = [d for d in decisions if isinstance(d, Preempt)]
+    assert (stop.task_id, stop.for_task) == ("train", "train")
+    assert "moves to capacity of its own (GPU 1 on n1" in stop.reason
+    assert not [d for d in decisions if isinstance(d, Place)]  # GPU 1 is train's
+    # While it checkpoints GPU 1 stays held for it; then it is placed there.
+    stopping = _two_gpus(_train(stopping=True, stopping_for="train"))
+    assert not [d for d in decide(stopping, [bg, later], NOW + 30) if isinstance(d, Place)]
+    requeued = [queued("train", 1000, at=10.0, gpu_memory_mb=8192, checkpoints=True), bg,
+                later]
+    placed = places(decide(_two_gpus(), requeued, NOW + 60))
+    assert placed["train"] == ("n1", (1,))
+
+
+def test_backfills_that_stay_where_they_are() -> None:
+    young = NOW - S.min_runtime_s / 2
+    busy = (running("other", "n1", (1,), 1000, started=OLD),)
+    cases = {
+        "no capacity of its own anywhere": _two_gpus(_train(), second=busy),
+        "it does not checkpoint (a move would lose its work)": _two_gpus(
+            _train(checkpoints=False)),
+        "background work is filler": _two_gpus(_train(tier="background", preemptible=True)),
+        "it is staging": _two_gpus(_train(staging=True)),
+        "it has computed less than the min runtime": _two_gpus(_train(started=young)),
+        "it is stopping already": _two_gpus(_train(stopping=True, stopping_for="x")),
+    }
+    for why, cluster in cases.items():
+        assert preempted(decide(cluster, [], NOW)) == [], why
+
+
+def test_a_higher_queued_task_gets_the_free_capacity_before_a_backfill_moves() -> None:
+    urgent = queued("urgent", 1000, at=0.0, urgency="urgent")
+    decisions = decide(_two_gpus(_train()), [urgent], NOW)
+    assert places(decisions)["urgent"] == ("n1", (1,))
+    assert preempted(decisions) == []

@@ -255,3 +255,19 @@ def test_a_ready_pool_task_is_not_left_behind_background_backfills() -> None:
     assert train < md
     assert raw.preemptions <= 2
     assert all(o.attempts == 1 for o in raw.outcomes if o.tier == "immediate")
+
+
+def test_a_ready_pool_backfill_moves_to_capacity_of_its_own_when_it_frees() -> None:
+    """Two GPUs: a long MD run with trajectory writes holds one, a 2-hour run the other. A
+    4-hour training arrives and backfills into the MD run's idle share. When the other GPU
+    frees it checkpoints and moves there; before, it crawled in the share until the MD run
+    ended (12.3 h) and finished after it."""
+    trace = read_jsonl(HERE / "ready_pool_moves.jsonl")
+    raw = simulate(trace, make_policy("m27", trace), SimConfig(horizon_s=24 * 3600.0))
+    by_id = {o.task_id: o for o in raw.outcomes}
+    train, md = by_id["train-0"], by_id["md-0"]
+    assert train.end_s is not None
+    assert md.end_s is not None
+    assert train.end_s < md.end_s
+    assert (train.attempts, train.preemptions) == (2, 1)  # it moved once
+    assert raw.preemptions == 1
