@@ -195,3 +195,49 @@ async def test_background_backfills_yield_an_idle_share_to_a_ready_pool_step(
                for line in lines(work / f"{n}.log"))
     for run_id in (*sweeps, main):
         await client.cancel(run_id, "test: done")
+
+
+HALF_MAIN: Final = ("pipeline:\n  - {name: train, resources: {gpus: 0.5, gpu_memory: 4GiB}, "
+                    "command: '\"$M27_PYTHON\" main.py'}\n")
+#: Busy (a busy loop is a busy simulated GPU) for 12 s, so it lends nothing.
+BUSY: Final = ("import pathlib, time\npathlib.Path('busy.started').touch()\n"
+                "end = time.time() + 12\nwhile time.time() < end:\n    pass\n")
+HOLD: Final = ("pipeline:\n  - {name: hold, resources: {gpus: 0.5, gpu_memory: 4GiB}, "
+               "command: '\"$M27_PYTHON\" busy.py'}\n")
+MOVER: Final = ("pipeline:\n  - {name: user, resources: {gpus: 0.5, gpu_memory: 4GiB}, "
+                "checkpoint: 2s, checkpoint_signal: none, "
+                "command: '\"$M27_PYTHON\" counter.py user 150'}\n")
+
+
+async def test_a_ready_pool_backfill_moves_to_a_share_of_its_own_when_one_frees(
+        system: Cluster, client: Client, tmp_path: Path) -> None:
+    """The GPU is taken by two half-GPU steps (the main step, with I/O phases, and one
+    that computes for 12 s); a user's checkpointing half-GPU step starts as a backfill in
+    the main step's idle share. When the other half frees, it checkpoints, is requeued and
+    resumes there, with a share of its own, before the main step ends."""
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "main.py").write_text(LENDER)
+    (work / "counter.py").write_text(COUNTER)
+    (work / "busy.py").write_text(BUSY)
+    main = await client.submit(HALF_MAIN, workdir=str(work))
+    hold = await client.submit(HOLD, workdir=str(work))
+    await wait_for(lambda: (work / "busy.started").exists(), "the other step does not run")
+    user = await client.submit(MOVER, workdir=str(work))
+    done = await finished_run(client, user, timeout=90)
+    assert done.state == "succeeded", system.logs()
+    step = done.steps[0]
+    assert (step.attempt, step.preemptions) == (2, 1), step
+    assert (await client.get_run(hold)).state == "succeeded"
+    assert (await client.get_run(main)).state == "running", "it waited for the main step"
+    log = scheduler_log(system)
+    assert f"backfill: {main}/train's" in log
+    assert "moves to capacity of its own" in log
+    # It resumed from its checkpoint: the second attempt went on where the first stopped.
+    counted = [line.split() for line in lines(work / "user.log")]
+    first = [int(c[1]) for c in counted if c[0] == "1" and c[1].isdigit()]
+    second = [int(c[1]) for c in counted if c[0] == "2" and c[1].isdigit()]
+    assert first
+    assert second
+    assert second[0] == first[-1] + 1
+    await client.cancel(main, "test: done")
