@@ -113,6 +113,7 @@ class _Counters:
     lost: float = 0.0
     held_staging: float = 0.0
     held_io: float = 0.0
+    held_unseen: float = 0.0
     preemptions: int = 0
     failures: int = 0
     calls: int = 0
@@ -133,7 +134,9 @@ class _Sim:
         self.staged: dict[str, tuple[str, float]] = {}  # task → (node, ready at)
         self.c = _Counters()
         self.rates = (0.0, 0.0, 0.0)  # busy GPUs, allocated GPUs, work GPUs: now
-        self.held = (0.0, 0.0)  # GPUs held by their own tasks while staging, while in I/O
+        #: GPUs held by their own tasks while staging, while in I/O, and of those while the
+        #: idle is not yet detected (nothing can be lent into that)
+        self.held = (0.0, 0.0, 0.0)
         self.buckets: dict[int, list[float]] = {}
         self.last_progress = 0.0
         self.arrivals_left = 0
@@ -189,6 +192,7 @@ class _Sim:
         self.c.work += work * dt
         self.c.held_staging += self.held[0] * dt
         self.c.held_io += self.held[1] * dt
+        self.c.held_unseen += self.held[2] * dt
         self.add_to_buckets(self.now, to, busy, alloc, work)
         for task in self.running.values():
             self.progress(task, dt, to)
@@ -254,7 +258,7 @@ class _Sim:
                 alloc_on[key] = alloc_on.get(key, 0) + (0 if task.lender else task.milli)
                 if task.busy:
                     busy_on[key] = busy_on.get(key, 0) + task.demand
-        work = staging = io = 0.0
+        work = staging = io = unseen = 0.0
         compute_on: dict[tuple[str, int], float] = {}
         for task in self.running.values():
             if task.phase == "io" and not task.lender and task.gpu_ids:
@@ -263,6 +267,8 @@ class _Sim:
                     staging += held
                 else:
                     io += held
+                if not self.idle(task):
+                    unseen += held
             task.rate = min((min(1.0, MILLI_PER_GPU / busy_on[(task.node_id, i)])
                              for i in task.gpu_ids if busy_on.get((task.node_id, i))),
                             default=1.0)
@@ -276,7 +282,7 @@ class _Sim:
         busy = sum(min(MILLI_PER_GPU, v) for v in busy_on.values()) / MILLI_PER_GPU
         alloc = sum(min(MILLI_PER_GPU, v) for v in alloc_on.values()) / MILLI_PER_GPU
         self.rates = (busy, alloc, work)
-        self.held = (staging, io)
+        self.held = (staging, io, unseen)
 
     def wake(self, task: _Task) -> None:
         at = math.inf
@@ -488,6 +494,7 @@ class _Sim:
             gpus=gpu_count(self.trace.nodes), span_s=end, busy_gpu_s=self.c.busy,
             alloc_gpu_s=self.c.alloc, work_gpu_s=self.c.work, lost_gpu_s=self.c.lost,
             held_staging_gpu_s=self.c.held_staging, held_io_gpu_s=self.c.held_io,
+            held_unseen_gpu_s=self.c.held_unseen,
             preemptions=self.c.preemptions, failures=self.c.failures,
             policy_calls=self.c.calls, max_gpu_compute_milli=self.c.max_gpu_compute,
             rejected=dict(self.c.rejected), outcomes=outcomes, samples=samples,

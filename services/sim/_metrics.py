@@ -56,6 +56,9 @@ class RawRun(msgspec.Struct, frozen=True, kw_only=True):
     #: wait on I/O: idle unless a backfill or a co-located task uses it.
     held_staging_gpu_s: float = 0.0
     held_io_gpu_s: float = 0.0
+    #: Of those, the part before the idle was detected (`SimConfig.idle_detect_s`): no
+    #: policy can lend it, so busy time ≤ 1 − held_unseen / GPU time.
+    held_unseen_gpu_s: float = 0.0
 
 
 class Metrics(msgspec.Struct, frozen=True, kw_only=True):

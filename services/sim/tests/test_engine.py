@@ -99,6 +99,8 @@ def test_invariants_hold_for_random_traces(
     assert m.goodput <= m.utilization + 1e-9 <= m.allocation + 2e-9 <= 1.0 + 3e-9
     assert raw.max_gpu_compute_milli <= MILLI_PER_GPU + 1e-6
     assert raw.held_staging_gpu_s + raw.held_io_gpu_s <= raw.alloc_gpu_s + 1e-6
+    assert raw.held_unseen_gpu_s <= raw.held_staging_gpu_s + raw.held_io_gpu_s + 1e-6
+    assert raw.busy_gpu_s + raw.held_unseen_gpu_s <= raw.gpus * raw.span_s + 1e-6
     assert not raw.rejected
     for o, s in zip(sorted(raw.outcomes, key=lambda o: o.task_id),
                     sorted(sims, key=lambda s: s.job.task_id), strict=True):
@@ -114,6 +116,8 @@ def test_gpu_time_held_while_staging_and_in_io_is_counted() -> None:
     raw = simulate(trace, make_policy("m27", trace), SimConfig(tick_s=300.0))
     assert raw.held_staging_gpu_s == pytest.approx(0.5 * 600.0)
     assert raw.held_io_gpu_s == pytest.approx(0.5 * 100.0)
+    # the first `idle_detect_s` of each (15 s) pass before anything could be lent into it
+    assert raw.held_unseen_gpu_s == pytest.approx(0.5 * (15.0 + 15.0))
     assert raw.alloc_gpu_s == pytest.approx(0.5 * (600.0 + 1200.0 + 100.0))
 
 
