@@ -7,8 +7,10 @@ One cycle:
 2. backfills follow their lenders (pause / resume);
 3. queued tasks in score order (immediate tier first, background after): placed where
    they fragment the cluster least; else an immediate task may preempt lower-score
-   victims; else a ready-pool or background task may start in an idle share; else it
-   waits, and the next `ready_pool` waiting tasks get their inputs staged.
+   victims; else a ready-pool or background task may start in an idle share; else a
+   ready-pool task may displace background backfills from one; else it waits, and the
+   next `ready_pool` waiting tasks get their inputs staged. Running ready-pool backfills
+   are ranked among them and move to capacity of their own when it is free at their turn.
 """
 
 from __future__ import annotations
@@ -236,13 +238,15 @@ def _movers(state: ClusterState, now: float, settings: PolicySettings,
 def _move(cycle: _Cycle, running: Running, queued: Queued, score: Score) -> None:
     """Checkpoint-and-stop a ready-pool backfill for capacity of its own, held for it
     (`build_packer` keeps holding it while it stops; it is placed there when requeued)."""
+    job = running.job
+    if any(isinstance(d, Preempt) and d.task_id == job.task_id for d in cycle.decisions):
+        return  # stopped this cycle already (with its lender, for another task)
     req = request_of(queued.job)
     choice = _choose(cycle.packer, req, "", cycle.failed)
     if choice is None:
         return
     packer = cycle.packer
     packer.take(choice.node, [packer.col_of(choice.node, g) for g in choice.gpu_ids], req)
-    job = running.job
     where = f"GPU {','.join(map(str, choice.gpu_ids))} on {packer.nodes[choice.node].node_id}"
     cycle.emit(Preempt(task_id=job.task_id, attempt=job.attempt, for_task=job.task_id,
                        grace_s=cycle.settings.preempt_grace_s,
