@@ -9,7 +9,9 @@ compute) and resumed when the lender goes idle again. A backfill paused longer t
 `max_pause_s` may be preempted, but only as a victim for a waiting task that needs the GPU
 memory or CPU it holds (`_core._victims`), never on a timer alone: a stop nobody takes the
 place of is thrash. Nothing is lent out of a lender that is stopping or being preempted. If
-the lender finished, a paused backfill resumes and from then on holds its own share.
+the lender finished, a paused backfill resumes and from then on holds its own share. A
+ready-pool task that finds no free idle share may displace background backfills from one
+(`displace`): the fewest that make room, least work lost first.
 """
 
 from __future__ import annotations
