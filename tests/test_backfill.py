@@ -74,12 +74,18 @@ def ticks(path: Path) -> list[float]:
             if len(parts) == 3]
 
 
-async def test_an_idle_report_starts_a_backfill_that_is_paused_while_the_main_task_computes(
-        system: Cluster, client: Client, tmp_path: Path) -> None:
+def workdir(tmp_path: Path, main: str, **more: str) -> Path:
+    """A run directory with the main step's program, the counter and `more` (name: text)."""
     work = tmp_path / "work"
     work.mkdir()
-    (work / "main.py").write_text(MAIN)
-    (work / "counter.py").write_text(COUNTER)
+    for name, text in {"main.py": main, "counter.py": COUNTER, **more}.items():
+        (work / name).write_text(text)
+    return work
+
+
+async def test_an_idle_report_starts_a_backfill_that_is_paused_while_the_main_task_computes(
+        system: Cluster, client: Client, tmp_path: Path) -> None:
+    work = workdir(tmp_path, MAIN)
     main = await client.submit(MAIN_PIPELINE, workdir=str(work))
     await wait_for(lambda: bool(phases(work / "main.phases")), "the main step does not run")
     backfill = await client.submit(BACKFILL_PIPELINE, workdir=str(work))
@@ -132,10 +138,7 @@ async def test_a_paused_backfill_that_times_out_gets_its_sigterm_at_once(
     paused task it preempts or cancels; a stop the agent makes on its own (here the step's
     `timeout:`) used to leave it paused for the whole grace period, to die of SIGKILL
     without its checkpoint. The agent now continues it, so it checkpoints and exits."""
-    work = tmp_path / "work"
-    work.mkdir()
-    (work / "main.py").write_text(LONG_MAIN)
-    (work / "counter.py").write_text(COUNTER)
+    work = workdir(tmp_path, LONG_MAIN)
     main = await client.submit(MAIN_PIPELINE, workdir=str(work))
     await wait_for(lambda: bool(phases(work / "main.phases")), "the main step does not run")
     pipeline = BACKFILL_PIPELINE.replace(
@@ -170,10 +173,7 @@ async def test_background_backfills_yield_an_idle_share_to_a_ready_pool_step(
     pool, idle backfill"): two background sweeps fill the main step's idle GPU; a user's
     0.5-GPU step that arrives later gets one of their places (one sweep checkpoints and is
     requeued), runs in the main step's I/O phases and is done before the main step is."""
-    work = tmp_path / "work"
-    work.mkdir()
-    (work / "main.py").write_text(LENDER)
-    (work / "counter.py").write_text(COUNTER)
+    work = workdir(tmp_path, LENDER)
     main = await client.submit(MAIN_PIPELINE.replace("8GiB", "4GiB"), workdir=str(work))
     sweeps = [await client.submit(SWEEP.format(name=name), workdir=str(work))
               for name in ("sweep-a", "sweep-b")]
@@ -215,11 +215,7 @@ async def test_a_ready_pool_backfill_moves_to_a_share_of_its_own_when_one_frees(
     that computes for 12 s); a user's checkpointing half-GPU step starts as a backfill in
     the main step's idle share. When the other half frees, it checkpoints, is requeued and
     resumes there, with a share of its own, before the main step ends."""
-    work = tmp_path / "work"
-    work.mkdir()
-    (work / "main.py").write_text(LENDER)
-    (work / "counter.py").write_text(COUNTER)
-    (work / "busy.py").write_text(BUSY)
+    work = workdir(tmp_path, LENDER, **{"busy.py": BUSY})
     main = await client.submit(HALF_MAIN, workdir=str(work))
     hold = await client.submit(HOLD, workdir=str(work))
     await wait_for(lambda: (work / "busy.started").exists(), "the other step does not run")
