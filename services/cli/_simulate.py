@@ -25,6 +25,7 @@ from m27.sim import (
     Trace,
     format_preemptions,
     format_table,
+    is_philly,
     jct_cdf_svg,
     make_nodes,
     make_policy,
@@ -34,7 +35,6 @@ from m27.sim import (
     summarize,
     utilization_svg,
 )
-from m27.sim._traces import PHILLY_HEADER, _header
 
 EPILOG: Final = """\
 policies:
@@ -87,7 +87,7 @@ def add_commands(sub: Subparsers) -> None:
 def load(args: argparse.Namespace) -> Trace:
     if args.nodes is not None and (args.nodes < 1 or args.gpus_per_node < 1):
         raise M27Error("--nodes and --gpus-per-node must be at least 1")
-    if args.trace.suffix == ".csv" and tuple(_header(args.trace))[:3] == PHILLY_HEADER:
+    if is_philly(args.trace):
         nodes = make_nodes(args.nodes or 2, args.gpus_per_node)
         return read_philly(args.trace, nodes=nodes, start=args.start, days=args.days,
                            checkpoint_s=600.0)

@@ -19,6 +19,7 @@ from nats.js.api import ConsumerConfig, DeliverPolicy
 
 from m27.common import events, proto, subjects
 from m27.common.errors import NotFoundError
+from m27.common.hints import did_you_mean
 from m27.common.ids import is_valid_run_id, new_run_id
 from m27.common.logging import get_logger
 from m27.common.model import TERMINAL_RUN_STATES, NodeInfo, RunRecord
@@ -26,7 +27,6 @@ from m27.orchestrator import history, runs
 from m27.orchestrator.engine import Engine
 from m27.orchestrator.store import RunExistsError
 from m27.pipeline import PipelineError, PipelineSpec, Problem, load_pipeline
-from m27.pipeline._yaml import did_you_mean
 from m27.pipeline.plan import capacity_problems, make_plan
 from m27.v1 import pipeline_pb2 as pb
 from m27.v1 import pipeline_pb2_grpc as pb_grpc

@@ -22,6 +22,7 @@ from m27.common import logfiles, subjects
 from m27.common.bus import Bus
 from m27.common.errors import NotFoundError
 from m27.common.grpc_server import CLIENT_OPTIONS
+from m27.common.hints import did_you_mean
 from m27.common.ids import is_valid_name, is_valid_run_id, task_id
 from m27.common.logfiles import LogChunk, LogQuery, Stream
 from m27.common.logging import get_logger
@@ -35,7 +36,6 @@ from m27.common.model import (
     TaskHolding,
 )
 from m27.orchestrator.store import RunStore
-from m27.pipeline._yaml import did_you_mean
 from m27.v1 import cluster_pb2 as pb
 from m27.v1 import cluster_pb2_grpc as pb_grpc
 

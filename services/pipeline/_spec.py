@@ -29,11 +29,12 @@ from typing import Final
 import msgspec
 import yaml
 
+from m27.common.hints import did_you_mean
 from m27.common.model import Resources, StepRecord, StepType, Urgency
 from m27.pipeline import _matrix, dag
 from m27.pipeline._document import DocumentReader, RawDocument, RawStep
 from m27.pipeline._templates import VAR_NAME_RE, Renderer, Scope
-from m27.pipeline._yaml import PipelineError, Problem, compose, did_you_mean, problem_at
+from m27.pipeline._yaml import PipelineError, Problem, compose, problem_at
 
 MAX_PIPELINE_BYTES: Final = 1024 * 1024
 MAX_STEPS: Final = 20_000

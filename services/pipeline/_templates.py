@@ -18,8 +18,9 @@ from typing import Final
 
 import yaml
 
+from m27.common.hints import did_you_mean
 from m27.pipeline import shellquote
-from m27.pipeline._yaml import Problem, did_you_mean, problem_at
+from m27.pipeline._yaml import Problem, problem_at
 
 PLACEHOLDER_RE: Final = re.compile(r"\{\{(.*?)\}\}")
 VAR_NAME_RE: Final = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")

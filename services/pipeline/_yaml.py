@@ -8,7 +8,6 @@ return None, so one pass reports everything that is wrong.
 
 from __future__ import annotations
 
-import difflib
 import math
 from collections.abc import Sequence
 from typing import Final
@@ -17,6 +16,7 @@ import msgspec
 import yaml
 
 from m27.common.errors import M27Error
+from m27.common.hints import did_you_mean
 from m27.common.units import parse_duration, parse_size
 
 STR: Final = "tag:yaml.org,2002:str"
@@ -68,11 +68,6 @@ def _scalar(node: yaml.ScalarNode) -> object:
         return _CONSTRUCTOR.construct_object(node, deep=False)
     except (ValueError, yaml.YAMLError):
         return None
-
-
-def did_you_mean(value: str, choices: Sequence[str]) -> str:
-    close = difflib.get_close_matches(value, list(choices), n=1, cutoff=0.6)
-    return f"did you mean `{close[0]}`?" if close else ""
 
 
 def kind(node: yaml.Node) -> str:

@@ -18,7 +18,14 @@ from m27.sim._metrics import (
 from m27.sim._nights import Nights, night_check, night_demand
 from m27.sim._plots import jct_cdf_svg, utilization_svg
 from m27.sim._policies import POLICY_HELP, POLICY_NAMES, m27_policy, make_policy, policy_version
-from m27.sim._traces import read_jsonl, read_openb, read_philly, read_trace, write_jsonl
+from m27.sim._traces import (
+    is_philly,
+    read_jsonl,
+    read_openb,
+    read_philly,
+    read_trace,
+    write_jsonl,
+)
 from m27.sim._workload import SimJob, Trace, demand_bound, make_nodes
 
 __all__ = [
@@ -39,6 +46,7 @@ __all__ = [
     "format_preemptions",
     "format_table",
     "generate_lab",
+    "is_philly",
     "jct_cdf_svg",
     "m27_policy",
     "make_nodes",

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import importlib
 from pathlib import Path
 from typing import Final
 
+import m27.scheduler
 from m27.scheduler.model import Policy, PolicySettings
+from m27.scheduler.policy import decide
 from m27.sim._baselines import best_fit, fifo, slurm_backfill, tiresias
 from m27.sim._byhand import ByHand
 from m27.sim._errors import SimError
@@ -28,13 +29,7 @@ LIMIT_FACTOR: Final = 1.5
 
 
 def m27_policy(settings: PolicySettings | None = None) -> Policy:
-    """m27's policy core, looked up when asked for, so the simulator runs whatever
-    `m27.scheduler.policy` is installed now."""
-    module = importlib.import_module("m27.scheduler.policy")
-    decide = getattr(module, "decide", None)
-    if decide is None:
-        raise SimError("this build has no m27.scheduler.policy.decide: the m27 policy "
-                       "cannot be simulated (try --policy best-fit)")
+    """m27's policy core (`m27.scheduler.policy.decide`) with these settings."""
     policy: Policy = functools.partial(decide, settings=settings or PolicySettings())
     return policy
 
@@ -61,9 +56,8 @@ def make_policy(name: str, trace: Trace, *, settings: PolicySettings | None = No
 def policy_version() -> str:
     """A fingerprint of the m27 policy a benchmark measured: sha256 of the scheduler
     package's sources as imported (benchmarks print it beside their figures)."""
-    package = importlib.import_module("m27.scheduler")
-    assert package.__file__ is not None
+    assert m27.scheduler.__file__ is not None
     digest = hashlib.sha256()
-    for path in sorted(Path(package.__file__).parent.glob("*.py")):
+    for path in sorted(Path(m27.scheduler.__file__).parent.glob("*.py")):
         digest.update(path.name.encode() + b"\0" + path.read_bytes())
     return digest.hexdigest()[:12]

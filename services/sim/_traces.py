@@ -107,6 +107,11 @@ def read_trace(path: Path, *, nodes: int | None = None, gpus_per_node: int | Non
     return trace
 
 
+def is_philly(path: Path) -> bool:
+    """Whether `path` is the Philly job table (a CSV with its header)."""
+    return path.suffix == ".csv" and tuple(_header(path))[:3] == PHILLY_HEADER
+
+
 def _header(path: Path) -> list[str]:
     try:
         with path.open(newline="") as f:

@@ -4,7 +4,6 @@ m27, ./checkpoints on a laptop)."""
 
 from __future__ import annotations
 
-import importlib
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -25,9 +24,9 @@ def open_store(store: CheckpointSink | str | os.PathLike[str] | None,
     directory = environ.get("M27_CHECKPOINT_DIR")
     if address:
         try:  # imported lazily: a laptop run needs no gRPC stack
-            client = importlib.import_module("m27.client.checkpoints")
-            sink: CheckpointSink = client.RemoteStore(address, task_id=task_id,
-                                                     attempt=attempt)
+            from m27.client.checkpoints import RemoteStore
+
+            sink: CheckpointSink = RemoteStore(address, task_id=task_id, attempt=attempt)
         except (ImportError, AttributeError) as exc:  # an m27 without the sync client
             log.warning("checkpoint_store_client_missing", address=address, error=str(exc))
         else:

@@ -1,0 +1,12 @@
+"""Hints for error messages: the known name a mistyped one most likely meant."""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Sequence
+
+
+def did_you_mean(value: str, choices: Sequence[str]) -> str:
+    """"did you mean `epochs`?" for "epoch" among the choices; "" when none is close."""
+    close = difflib.get_close_matches(value, list(choices), n=1, cutoff=0.6)
+    return f"did you mean `{close[0]}`?" if close else ""
