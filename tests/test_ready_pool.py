@@ -1,7 +1,8 @@
-"""The ready pool end to end, with a real node-agent on one simulated GPU: while a
-whole-GPU step holds the GPU, the next whole-GPU step waits, and the scheduler has the
-agent read its inputs (its `inputs:` and its dependencies' outputs) ahead on the node it
-will start on; `m27 queue` then shows them staged there, and the step starts there.
+"""The ready pool end to end, with two real node-agents of one simulated GPU each: while
+two whole-GPU steps hold both GPUs, the next whole-GPU step waits, and the scheduler has
+both agents read its inputs (its `inputs:` and its dependencies' outputs) ahead, since
+either node may free first (`stage_nodes`); `m27 queue` then shows them staged on both,
+and the step starts on one of them.
 """
 
 from __future__ import annotations
@@ -39,42 +40,46 @@ READER: Final = ("pipeline:\n"
 
 @pytest.fixture
 def system(tmp_path: Path) -> Iterator[Cluster]:
-    yield from agent_system(tmp_path, "node-1")
+    yield from agent_system(tmp_path, "node-1", "node-2")
 
 
-async def test_a_waiting_step_has_its_inputs_staged_on_the_node_it_then_starts_on(
+async def test_a_waiting_step_has_its_inputs_staged_on_the_nodes_it_may_start_on(
         system: Cluster, client: Client, tmp_path: Path) -> None:
     work = tmp_path / "work"
     (work / "data" / "c").mkdir(parents=True)
     for name, size in (("a.bin", 300_000), ("b.bin", 5_000), ("c/d.bin", 70_000)):
         (work / "data" / name).write_bytes(b"x" * size)
     (work / "hold.py").write_text(HOLD)
-    holder = await client.submit(HOLDER, workdir=str(work))
+    holders = [await client.submit(HOLDER, workdir=str(work)) for _ in range(2)]
     reader = await client.submit(READER, workdir=str(work))
     task = f"{reader}/train"
 
-    async def staged() -> str:
+    async def staged() -> tuple[str, ...]:
         items = [i for i in await queue(system) if i.task_id == task]
-        return items[0].staged_on if items and items[0].state == "waiting" else ""
+        return items[0].staged_on if items and items[0].state == "waiting" else ()
 
-    node, deadline = "", time.monotonic() + 60
-    while not node and time.monotonic() < deadline:
-        node = await staged()
+    nodes: tuple[str, ...] = ()
+    deadline = time.monotonic() + 60
+    while len(nodes) < 2 and time.monotonic() < deadline:
+        nodes = await staged()
         await asyncio.sleep(0.2)
-    assert node == "node-1", scheduler_log(system)
-    # The agent read the three files and the dependency's output; `absent.bin` is missing.
-    agent = service_log(system.processes["agent-node-1"])
-    records = [json.loads(line) for line in agent.splitlines()
-               if '"task.staged"' in line and task in line]
-    assert records, agent
-    assert (records[-1]["files"], records[-1]["bytes"], records[-1]["missing"]) == (
-        4, 375_005, 1), records[-1]
+    assert sorted(nodes) == ["node-1", "node-2"], scheduler_log(system)
+    # Each agent read the three files and the dependency's output, once; `absent.bin` is
+    # missing.
+    for node in nodes:
+        agent = service_log(system.processes[f"agent-{node}"])
+        records = [json.loads(line) for line in agent.splitlines()
+                   if '"task.staged"' in line and task in line]
+        assert len(records) == 1, agent
+        assert (records[0]["files"], records[0]["bytes"], records[0]["missing"]) == (
+            4, 375_005, 1), records[0]
     shown = m27_cli(system, "queue").stdout
-    assert "[ready pool: inputs staged on node-1]" in shown, shown
+    assert f"[ready pool: inputs staged on {', '.join(nodes)}]" in shown, shown
 
     (work / "release").write_text("")
-    assert (await finished_run(client, holder)).state == "succeeded"
+    for holder in holders:
+        assert (await finished_run(client, holder)).state == "succeeded"
     run = await finished_run(client, reader)
     assert run.state == "succeeded", system.logs()
     train = next(s for s in run.steps if s.name == "train")
-    assert train.node_id == "node-1"
+    assert train.node_id in nodes

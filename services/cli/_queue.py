@@ -91,9 +91,14 @@ def score_line(explanation: Mapping[str, Any]) -> str | None:
 
 def _other_lines(explanation: Mapping[str, Any]) -> list[str]:
     skip = {"score", "task_id", "reason"}
-    notes = {"staged_on": " (ready pool: the node chosen for it)"}
-    return [f"{key}: {value}{notes.get(key, '')}" for key, value in explanation.items()
+    notes = {"staged_on": " (ready pool: its inputs are read ahead there)"}
+    return [f"{key}: {_value(value)}{notes.get(key, '')}"
+            for key, value in explanation.items()
             if key not in skip and value not in (None, "", [], {})]
+
+
+def _value(value: Any) -> str:
+    return ", ".join(map(str, value)) if isinstance(value, list) else str(value)
 
 
 def preempted_note(item: QueueItem) -> str:
@@ -110,6 +115,16 @@ def protection_line(item: QueueItem) -> str:
     return f"protected: {item.protected}" if item.protected else "may be preempted now"
 
 
+def _staging_text(item: QueueItem) -> str:
+    """"inputs staged on n1, n2; staging on n3"."""
+    parts = []
+    if item.staged_on:
+        parts.append(f"inputs staged on {', '.join(item.staged_on)}")
+    if item.staging_on:
+        parts.append(f"staging inputs on {', '.join(item.staging_on)}")
+    return "; ".join(parts)
+
+
 def render_queue(items: Sequence[QueueItem], now: float, explain: bool) -> list[str]:
     if not items:
         return ["the queue is empty: nothing waits or runs"]
@@ -119,10 +134,8 @@ def render_queue(items: Sequence[QueueItem], now: float, explain: bool) -> list[
     for n, item in enumerate(items, 1):
         where = item.reason if item.state == "waiting" else item.node_id + (
             f" (backfill into {item.lender})" if item.lender else "")
-        if item.state == "waiting" and item.staged_on:
-            where += f" [ready pool: inputs staged on {item.staged_on}]"
-        elif item.state == "waiting" and item.staging_on:
-            where += f" [ready pool: staging inputs on {item.staging_on}]"
+        if item.state == "waiting" and (item.staged_on or item.staging_on):
+            where += f" [ready pool: {_staging_text(item)}]"
         where += preempted_note(item)
         score = f"{item.score:.1f}" if item.explanation is not None else "—"
         waited = format_duration(max(0.0, now - item.queued_at))

@@ -52,8 +52,8 @@ class QueueItem(msgspec.Struct, frozen=True, kw_only=True):
     score: float
     tier: str
     lender: str = ""
-    staged_on: str = ""  # ready pool: inputs read ahead on this node
-    staging_on: str = ""  # ready pool: being read ahead on this node
+    staged_on: tuple[str, ...] = ()  # ready pool: inputs read ahead on these nodes
+    staging_on: tuple[str, ...] = ()  # ready pool: being read ahead on these nodes
     explanation: dict[str, Any] | None = None
     preemptions: int = 0  # times this step was preempted, all attempts
     fruitless_preemptions: int = 0  # latest ones in a row before any checkpoint
@@ -73,8 +73,8 @@ def _item(message: pb.QueueEntry) -> QueueItem:
         attempt=message.attempt, urgency=message.urgency, user=message.user,
         gpus=message.gpus, cpus=message.cpus, state=message.state, node_id=message.node_id,
         queued_at=message.queued_at, reason=message.reason, score=message.score,
-        tier=message.tier, lender=message.lender, staged_on=message.staged_on,
-        staging_on=message.staging_on, explanation=explanation,
+        tier=message.tier, lender=message.lender, staged_on=tuple(message.staged_on),
+        staging_on=tuple(message.staging_on), explanation=explanation,
         preemptions=message.preemptions,
         fruitless_preemptions=message.fruitless_preemptions, protected=message.protected)
 

@@ -73,6 +73,8 @@ class SchedulerSection(msgspec.Struct, frozen=True, kw_only=True):
     max_fruitless_preemptions: Annotated[int, msgspec.Meta(ge=0, le=1000)] = 3
     backfill: bool = True
     ready_pool: Annotated[int, msgspec.Meta(ge=0, le=1000)] = 2
+    # On how many of the nodes that could hold it a ready-pool task is read ahead.
+    stage_nodes: Annotated[int, msgspec.Meta(ge=1, le=1000)] = 4
     max_pause: Duration = 600.0  # paused longer: a victim for the memory it holds
     # Least-attained-service among peers: a task that has held less than this many
     # GPU-hours may preempt a preemptible peer that has held more. 0: off.

@@ -68,8 +68,8 @@ def entry_to_proto(entry: TaskEntry, explanation: policy.Explanation | None,
         cpus=task.resources.cpus, state=entry_state(entry),
         node_id=placement.node_id if placement else "", queued_at=entry.queued_at,
         reason=entry.wait_reason if placement is None else entry.stopping,
-        lender=placement.lender if placement else "", staged_on=entry.staged_on,
-        staging_on=entry.staging_on, tier=tier_of(task), preemptions=task.preemptions,
+        lender=placement.lender if placement else "", staged_on=entry.staged_nodes,
+        staging_on=entry.staging_nodes, tier=tier_of(task), preemptions=task.preemptions,
         fruitless_preemptions=task.fruitless_preemptions, protected=protection)
     if explanation is not None:
         message.score = explanation.score.total

@@ -198,17 +198,18 @@ class Effects:
     # ------------------------------------------------------------ stage, wait
 
     async def stage(self, decision: Stage, now: float) -> bool:
-        """Ready pool: the chosen node's agent reads the task's inputs ahead and answers
-        `task_staged`, which sets `staged_on` (the policy then prefers that node). A task
-        that reads nothing is staged at once."""
+        """Ready pool: the node's agent reads the task's inputs ahead and answers
+        `task_staged`, which adds the node to `staged_nodes` (the policy then prefers
+        those nodes). A task that reads nothing is staged at once."""
         entry = self.table.current(decision.task_id)
+        node_id = decision.node_id
         if (entry is None or entry.placement is not None
-                or decision.node_id in (entry.staged_on, entry.staging_on)):
+                or node_id in entry.staged_nodes or node_id in entry.staging_nodes):
             return False
         task = entry.task
         if not task.inputs:
             await self.table.store(msgspec.structs.replace(
-                entry, staged_on=decision.node_id, staging_on=""))
+                entry, staged_nodes=(*entry.staged_nodes, node_id)))
             log.info("task.staged", task_id=task.task_id, node_id=decision.node_id,
                      files=0, note="it declares no inputs: nothing to read ahead")
             return True
@@ -216,7 +217,8 @@ class Effects:
             at=now, task_id=task.task_id, run_id=task.run_id, step=task.step,
             attempt=task.attempt, inputs=task.inputs, reason=decision.reason),
             msg_id=f"{task.task_id}:{task.attempt}:stage:{decision.node_id}")
-        await self.table.store(msgspec.structs.replace(entry, staging_on=decision.node_id))
+        await self.table.store(msgspec.structs.replace(
+            entry, staging_nodes=(*entry.staging_nodes, decision.node_id)))
         log.info("task.stage_sent", task_id=task.task_id, node_id=decision.node_id,
                  inputs=len(task.inputs), reason=decision.reason)
         return True

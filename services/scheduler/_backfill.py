@@ -67,12 +67,13 @@ def manage(running: Sequence[Running]) -> list[Decision]:
     return decisions
 
 
-def find_lender(packer: Packer, req: Request,
-                idle: dict[str, tuple[Running, int]]) -> Running | None:
-    """The idle share `req` fits in most tightly (then by task id), or None."""
+def find_lender(packer: Packer, req: Request, idle: dict[str, tuple[Running, int]],
+                prefer: tuple[str, ...] = ()) -> Running | None:
+    """The idle share `req` fits in most tightly (then by task id), or None; one on a node
+    in `prefer` (its inputs are staged there: it computes at once) before any other."""
     if req.gpus != 1:
         return None
-    options: list[tuple[int, str, Running]] = []
+    options: list[tuple[bool, int, str, Running]] = []
     for task_id, (lender, free) in idle.items():
         node = packer.index.get(lender.node_id, -1)
         if node < 0 or not packer.node_ok[node] or free < req.milli:
@@ -86,8 +87,8 @@ def find_lender(packer: Packer, req: Request,
             continue
         if packer.gmem_free[node, col] + 1e-6 < packer.gpu_memory(req, node, col):
             continue
-        options.append((free - req.milli, task_id, lender))
-    return min(options, key=lambda o: (o[0], o[1]))[2] if options else None
+        options.append((lender.node_id not in prefer, free - req.milli, task_id, lender))
+    return min(options, key=lambda o: o[:3])[3] if options else None
 
 
 def lend(idle: dict[str, tuple[Running, int]], lender: Running, milli: int) -> None:

@@ -9,8 +9,9 @@ One cycle:
    they fragment the cluster least; else an immediate task may preempt lower-score
    victims; else a ready-pool or background task may start in an idle share; else a
    ready-pool task may displace background backfills from one; else it waits, and the
-   next `ready_pool` waiting tasks get their inputs staged. Running ready-pool backfills
-   are ranked among them and move to capacity of their own when it is free at their turn.
+   next `ready_pool` waiting tasks get their inputs staged, each on up to `stage_nodes`
+   nodes. Running ready-pool backfills are ranked among them and move to capacity of
+   their own when it is free at their turn.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import msgspec
 from m27.scheduler import _backfill, _preemption
 from m27.scheduler._packing import Choice, Packer, Request, m27_demand, request_of
 from m27.scheduler._priority import Score, attempt_gpu_s, order, running_score
-from m27.scheduler._reasons import stage_node, wait_reason
+from m27.scheduler._reasons import stage_nodes, wait_reason
 from m27.scheduler.model import (
     MILLI_PER_GPU,
     ClusterState,
@@ -50,7 +51,7 @@ class Explanation(msgspec.Struct, frozen=True, kw_only=True):
     score: Score
     action: Action
     reason: str
-    staged_on: str = ""  # a Stage decision this cycle, or the node already staged on
+    staged_on: tuple[str, ...] = ()  # nodes staged on, or with a Stage decision this cycle
 
 
 class _Cycle:
@@ -230,8 +231,12 @@ def _movers(state: ClusterState, now: float, settings: PolicySettings,
             r, job=msgspec.structs.replace(r.job, preemptible=True))
         if protection(as_preemptible, now, settings):
             continue
+        # ranked with the score it will have once requeued (this attempt's GPU time
+        # counts as held then): at a better rank now, it would lose the capacity it moves
+        # for to the tasks it outranked only until its stop
         out[r.job.task_id] = _Mover(job=r.job, queued_at=r.queued_at,
-                                    attained_gpu_s=r.attained_gpu_s, running=r)
+                                    attained_gpu_s=r.attained_gpu_s + attempt_gpu_s(r, now),
+                                    running=r)
     return out
 
 
@@ -242,7 +247,7 @@ def _move(cycle: _Cycle, running: Running, queued: Queued, score: Score) -> None
     if any(isinstance(d, Preempt) and d.task_id == job.task_id for d in cycle.decisions):
         return  # stopped this cycle already (with its lender, for another task)
     req = request_of(queued.job)
-    choice = _choose(cycle.packer, req, "", cycle.failed)
+    choice = _choose(cycle.packer, req, (), cycle.failed)
     if choice is None:
         return
     packer = cycle.packer
@@ -285,28 +290,40 @@ def _consider(cycle: _Cycle, queued: Queued, score: Score, rank: int) -> None:
     staged = queued.staged_on
     if action in ("wait", "preempt") and cycle.ready_left > 0:
         cycle.ready_left -= 1
-        if not staged:
-            node = stage_node(cycle.packer, req)
-            if node is not None:
-                staged = cycle.packer.nodes[node].node_id
-                cycle.emit(Stage(task_id=job.task_id, node_id=staged,
-                                 reason=f"ready pool: stage inputs on {staged}, where it "
-                                 "will most likely start"))
+        staged = _stage(cycle, queued, req)
     cycle.explanations.append(Explanation(task_id=job.task_id, rank=rank, tier=job.tier,
                                           score=score, action=action, reason=reason,
                                           staged_on=staged))
 
 
-def _choose(packer: Packer, req: Request, staged_on: str,
+def _stage(cycle: _Cycle, queued: Queued, req: Request) -> tuple[str, ...]:
+    """A ready-pool task's inputs are read ahead on the `stage_nodes` nodes it will most
+    likely start on (one `Stage` each where not staged yet), so it starts warm wherever
+    capacity frees first among them."""
+    staged, count = list(queued.staged_on), cycle.settings.stage_nodes
+    packer = cycle.packer
+    for index in stage_nodes(packer, req, count):
+        node_id = packer.nodes[index].node_id
+        if len(staged) >= count:
+            break
+        if node_id not in staged:
+            staged.append(node_id)
+            cycle.emit(Stage(task_id=queued.job.task_id, node_id=node_id,
+                             reason=f"ready pool: stage inputs on {node_id}, where it "
+                             "may start first"))
+    return tuple(staged)
+
+
+def _choose(packer: Packer, req: Request, staged_on: tuple[str, ...],
             failed: set[Request]) -> Choice | None:
-    """Its staged node if it fits there (instant start), else the least fragmenting fit."""
+    """The least fragmenting fit on a node it is staged on (instant start), else the least
+    fragmenting fit anywhere."""
     if req in failed:
         return None
-    staged = packer.index.get(staged_on, -1) if staged_on else -1
-    if staged >= 0:
-        choice = packer.choose(req, only=staged)
-        if choice is not None:
-            return choice
+    staged = [c for n in staged_on if (i := packer.index.get(n, -1)) >= 0
+              and (c := packer.choose(req, only=i)) is not None]
+    if staged:
+        return min(staged, key=lambda c: c.frag_delta)
     choice = packer.choose(req)
     if choice is None:
         failed.add(req)
@@ -324,7 +341,7 @@ def _place(cycle: _Cycle, queued: Queued, req: Request, choice: Choice,
             else f"{req.milli / 1000:.2f} GPU" if req.gpus else f"{req.cpu_milli} mCPU")
     reason = (f"score {score.total:.0f}: {what} on {where}; expected fragmentation "
               f"{choice.frag_delta:+.0f} milli, the least of any fit")
-    if queued.staged_on == node_id:
+    if node_id in queued.staged_on:
         reason += " (inputs staged here)"
     if job.tier == "background":
         reason = f"background tier, leftover capacity: {reason}"
@@ -399,7 +416,7 @@ def _backfill_into(cycle: _Cycle, queued: Queued, req: Request) -> bool:
         return False
     if req in cycle.no_lender:
         return False
-    lender = _backfill.find_lender(cycle.packer, req, cycle.idle)
+    lender = _backfill.find_lender(cycle.packer, req, cycle.idle, prefer=queued.staged_on)
     if lender is None:
         cycle.no_lender.add(req)
         return False

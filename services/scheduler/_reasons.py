@@ -61,19 +61,18 @@ def _slice_text(packer: Packer, req: Request) -> str:
     return text
 
 
-def stage_node(packer: Packer, req: Request) -> int | None:
-    """The node a waiting task will most likely start on: of the nodes that could ever
-    hold it, the one with the most free capacity of the kind it needs (then node order)."""
+def stage_nodes(packer: Packer, req: Request, count: int) -> list[int]:
+    """The `count` nodes a waiting task will most likely start on: of the nodes that could
+    ever hold it, those with the most free capacity of the kind it needs (then node order),
+    most likely first."""
     ok = packer.node_ok & (packer.cpu_cap >= req.cpu_milli)
     if req.gpus == 0:
         nodes = np.flatnonzero(ok)
-        if nodes.size == 0:
-            return None
-        return int(nodes[np.lexsort((packer.rank[nodes], -packer.cpu[nodes]))[0]])
-    elig = packer.usable & packer.model_mask(req.models)
-    nodes = np.flatnonzero(ok & (elig.sum(axis=1) >= req.gpus))
-    if nodes.size == 0:
-        return None
-    free = np.where(elig[nodes], np.maximum(packer.free[nodes], 0), -1)
-    top = -np.sort(-free, axis=1)[:, :req.gpus].sum(axis=1)
-    return int(nodes[np.lexsort((packer.rank[nodes], -top))[0]])
+        order = np.lexsort((packer.rank[nodes], -packer.cpu[nodes]))
+    else:
+        elig = packer.usable & packer.model_mask(req.models)
+        nodes = np.flatnonzero(ok & (elig.sum(axis=1) >= req.gpus))
+        free = np.where(elig[nodes], np.maximum(packer.free[nodes], 0), -1)
+        top = -np.sort(-free, axis=1)[:, :req.gpus].sum(axis=1)
+        order = np.lexsort((packer.rank[nodes], -top))
+    return [int(n) for n in nodes[order][:max(0, count)]]

@@ -68,8 +68,11 @@ class TaskEntry(msgspec.Struct, frozen=True, kw_only=True):
     #: The queued task that stop was sent for ("" for a drain): while this one stops, its
     #: capacity is counted for that task only (`Running.stopping_for`).
     stopping_for: str = ""
-    staging_on: str = ""  # ready pool: StageTask sent to this node, no task_staged yet
-    staged_on: str = ""  # ready pool: its inputs are read ahead on this node (task_staged)
+    # (Renamed from the single-node `staging_on`/`staged_on`: an entry stored by an older
+    # scheduler decodes with its unknown old fields ignored, and is staged again.)
+    #: ready pool: nodes sent a StageTask that have not answered `task_staged` yet
+    staging_nodes: tuple[str, ...] = ()
+    staged_nodes: tuple[str, ...] = ()  # ready pool: nodes that read its inputs ahead
     last_checkpoint_at: float | None = None  # this attempt's latest checkpoint_committed
 
 
@@ -126,6 +129,7 @@ def _settings(config: Config) -> PolicySettings:
         preempt_grace_s=section.preempt_grace, preemption=section.preemption,
         max_fruitless_preemptions=section.max_fruitless_preemptions,
         backfill=section.backfill, ready_pool=section.ready_pool,
+        stage_nodes=section.stage_nodes,
         max_pause_s=section.max_pause, peer_yield_gpu_h=section.peer_yield_gpu_hours)
 
 
@@ -200,7 +204,7 @@ def queue_of(entries: Iterable[TaskEntry], now: float) -> list[Queued]:
     """Unplaced tasks past their retry backoff, oldest first."""
     waiting = [e for e in entries if e.placement is None and e.task.not_before <= now]
     return [Queued(job=job_of(e.task), queued_at=e.queued_at,
-                   attained_gpu_s=e.attained_gpu_s, staged_on=e.staged_on)
+                   attained_gpu_s=e.attained_gpu_s, staged_on=e.staged_nodes)
             for e in sorted(waiting, key=lambda e: (e.queued_at, e.task.task_id))]
 
 

@@ -74,8 +74,8 @@ class Queued(msgspec.Struct, frozen=True, kw_only=True):
     #: GPU-seconds the task (all its attempts) has held so far: least-attained-service
     #: policies and "long holders yield".
     attained_gpu_s: float = 0.0
-    #: Inputs are staged on this node (ready pool): starting here is instant.
-    staged_on: str = ""
+    #: Nodes its inputs are staged on (ready pool): starting on one of them is instant.
+    staged_on: tuple[str, ...] = ()
 
 
 class Running(msgspec.Struct, frozen=True, kw_only=True):
@@ -134,6 +134,10 @@ class PolicySettings(msgspec.Struct, frozen=True, kw_only=True):
     preemption: bool = True
     backfill: bool = True  # start work in GPU capacity its holder leaves idle (I/O wait)
     ready_pool: int = 2  # how many next tasks get their inputs staged while they wait
+    #: On how many of the nodes that could hold it a ready-pool task is staged (the ones
+    #: with the most free capacity of its kind first): it starts warm wherever capacity
+    #: frees first among them. Each node reads its inputs once; 1 stages on one node only.
+    stage_nodes: int = 4
     #: A paused backfill is expected to resume at its lender's next I/O wait: only once
     #: paused longer than this may a waiting task preempt it for the memory it holds.
     max_pause_s: float = 600.0

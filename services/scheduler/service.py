@@ -219,9 +219,11 @@ class Scheduler:
                     await self.table.store(msgspec.structs.replace(
                         entry, last_checkpoint_at=event.at))
             case events.TaskStaged():
-                if entry.placement is None and entry.staging_on == event.node_id:
+                if entry.placement is None and event.node_id in entry.staging_nodes:
                     await self.table.store(msgspec.structs.replace(
-                        entry, staged_on=event.node_id, staging_on=""))
+                        entry, staged_nodes=(*entry.staged_nodes, event.node_id),
+                        staging_nodes=tuple(n for n in entry.staging_nodes
+                                            if n != event.node_id)))
                     log.info("task.staged", task_id=event.task_id, node_id=event.node_id,
                              files=event.files, bytes=event.bytes,
                              seconds=round(event.seconds, 3), missing=list(event.missing))

@@ -131,7 +131,7 @@ class _Sim:
         self.tasks: dict[str, _Task] = {}
         self.queue: dict[str, _Task] = {}
         self.running: dict[str, _Task] = {}
-        self.staged: dict[str, tuple[str, float]] = {}  # task → (node, ready at)
+        self.staged: dict[str, dict[str, float]] = {}  # task → node → its inputs ready at
         self.c = _Counters()
         self.rates = (0.0, 0.0, 0.0)  # busy GPUs, allocated GPUs, work GPUs: now
         #: GPUs held by their own tasks while staging, while in I/O, and of those while the
@@ -330,12 +330,16 @@ class _Sim:
         task.lender = place.lender
         task.started_at = self.now
         task.first_start = self.now if task.first_start is None else task.first_start
-        ready = staged is not None and staged[0] == place.node_id and staged[1] <= self.now
+        # Inputs staged on this node cost nothing at the start, a copy still under way
+        # there only its rest; anywhere else the whole copy.
+        stage_s = task.sim.stage_s
+        if staged is not None and place.node_id in staged:
+            stage_s = min(stage_s, max(0.0, staged[place.node_id] - self.now))
         task.phase, task.io_since, task.idle_seen = "busy", self.now, False
         task.phase_left = task.sim.io_every_s if task.sim.io_every_s > 0 else math.inf
         task.staging, task.computing_since = False, self.now
-        if task.sim.stage_s > 0 and not ready:
-            task.phase, task.phase_left = "io", task.sim.stage_s
+        if stage_s > EPS:
+            task.phase, task.phase_left = "io", stage_s
             task.staging, task.computing_since = True, None
         task.paused = task.stopping = False
         task.paused_at, task.stopping_for = None, ""
@@ -410,8 +414,8 @@ class _Sim:
         return task.view
 
     def queued(self, task: _Task) -> Queued:
-        staged = self.staged.get(task.sim.job.task_id)
-        on = staged[0] if staged and staged[1] <= self.now else ""
+        staged = self.staged.get(task.sim.job.task_id, {})
+        on = tuple(node for node, at in staged.items() if at <= self.now)
         q = task.qview
         if q is None or q.job.attempt != task.attempt or q.staged_on != on:
             q = task.qview = Queued(job=self.job(task), queued_at=task.queued_at,
@@ -438,8 +442,8 @@ class _Sim:
             if decision.task_id not in self.queue or decision.node_id not in free.nodes:
                 return "stage: not queued or no such node"
             sim = self.queue[decision.task_id].sim
-            if decision.task_id not in self.staged:
-                self.staged[decision.task_id] = (decision.node_id, self.now + sim.stage_s)
+            self.staged.setdefault(decision.task_id, {}).setdefault(
+                decision.node_id, self.now + sim.stage_s)
             return ""
         if isinstance(decision, Preempt | Pause | Resume):
             task = self.running.get(decision.task_id)

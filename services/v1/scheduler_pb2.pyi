@@ -181,11 +181,7 @@ class QueueEntry(_message.Message):
     """With explain: the policy's explanation of this task, as JSON (score terms and more)."""
     lender: _builtins.str
     """A backfill: the running task whose idle GPU capacity it uses."""
-    staged_on: _builtins.str
-    """Ready pool: the node whose agent has read this waiting task's inputs ahead."""
     tier: _builtins.str
-    staging_on: _builtins.str
-    """Ready pool: the node asked to read its inputs ahead, not done yet."""
     preemptions: _builtins.int
     """Times this step was preempted (or moved off a draining node), all attempts together."""
     fruitless_preemptions: _builtins.int
@@ -197,6 +193,16 @@ class QueueEntry(_message.Message):
     """A running (or paused, stopping) task: why the policy may not preempt it now, e.g.
     "computing 40 s < min runtime 300 s"; "" when it may be preempted, and for waiting tasks.
     """
+    @_builtins.property
+    def staged_on(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Ready pool: the nodes whose agents have read this waiting task's inputs ahead (was a
+        single string: the wire format is the same, an old reader sees the last node).
+        """
+
+    @_builtins.property
+    def staging_on(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Ready pool: the nodes asked to read its inputs ahead, not done yet."""
+
     def __init__(
         self,
         *,
@@ -215,9 +221,9 @@ class QueueEntry(_message.Message):
         score: _builtins.float = ...,
         explanation_json: _builtins.str = ...,
         lender: _builtins.str = ...,
-        staged_on: _builtins.str = ...,
+        staged_on: _abc.Iterable[_builtins.str] | None = ...,
         tier: _builtins.str = ...,
-        staging_on: _builtins.str = ...,
+        staging_on: _abc.Iterable[_builtins.str] | None = ...,
         preemptions: _builtins.int = ...,
         fruitless_preemptions: _builtins.int = ...,
         protected: _builtins.str = ...,

@@ -30,7 +30,7 @@ def test_explain_breaks_the_score_down_and_says_why_it_waits() -> None:
     explanation = {"task_id": "r/b", "score": {"total": 165.0, "urgency": 100.0, "level": 40.0,
                                                "aging": 25.0, "held": 0.0,
                                                "user_level": "pi"},
-                   "action": "wait", "staged_on": "n1", "reason": "x"}
+                   "action": "wait", "staged_on": ["n1", "n3"], "reason": "x"}
     lines = render_queue([item(explanation=explanation),
                           item(task_id="r/a", state="running", node_id="n2", lender="r/m")],
                          now=3700.0, explain=True)
@@ -38,7 +38,7 @@ def test_explain_breaks_the_score_down_and_says_why_it_waits() -> None:
     assert "1h00m" in lines[1]
     assert lines[2].strip() == ("score 165.0 = urgency 100 + level 40 + aging 25 − held 0 "
                                 "(user level pi)")
-    assert "staged_on: n1 (ready pool: the node chosen for it)" in lines[4]
+    assert "staged_on: n1, n3 (ready pool: its inputs are read ahead there)" in lines[4]
     assert lines[-2].split()[1:3] == ["r/a", "running"]
     assert lines[-2].endswith("n2 (backfill into r/m)")
     assert lines[-1].strip() == "may be preempted now"  # a running task: its protection
@@ -47,10 +47,13 @@ def test_explain_breaks_the_score_down_and_says_why_it_waits() -> None:
 
 
 def test_the_ready_pool_shows_where_inputs_are_being_or_have_been_staged() -> None:
-    staging, staged = render_queue([item(staging_on="n1"), item(task_id="r/c", staged_on="n2")],
-                                   now=200.0, explain=False)[1:]
+    staging, staged, both = render_queue(
+        [item(staging_on=("n1",)), item(task_id="r/c", staged_on=("n2",)),
+         item(task_id="r/d", staged_on=("n1", "n2"), staging_on=("n3",))],
+        now=200.0, explain=False)[1:]
     assert staging.endswith("[ready pool: staging inputs on n1]")
     assert staged.endswith("[ready pool: inputs staged on n2]")
+    assert both.endswith("[ready pool: inputs staged on n1, n2; staging inputs on n3]")
 
 
 def test_preemptions_are_shown_and_explain_says_why_a_running_task_is_protected() -> None:

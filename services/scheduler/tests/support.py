@@ -32,7 +32,7 @@ def job(name: str, milli: int = 0, **kw: Any) -> Job:
     return Job(task_id=name, gpu_milli=milli, **kw)
 
 
-def queued(name: str, milli: int = 0, at: float = 0.0, *, staged_on: str = "",
+def queued(name: str, milli: int = 0, at: float = 0.0, *, staged_on: tuple[str, ...] = (),
            attained: float = 0.0, **kw: Any) -> Queued:
     return Queued(job=job(name, milli, **kw), queued_at=at, staged_on=staged_on,
                   attained_gpu_s=attained)

@@ -252,17 +252,34 @@ def test_an_immediate_job_preempts_background_once_past_its_minimum_runtime() ->
         assert preempted(decisions) == victims
 
 
-def test_the_ready_pool_is_staged_once_on_the_likely_node() -> None:
+def test_the_ready_pool_is_staged_once_on_each_likely_node() -> None:
     cluster = state(node("n1", 1), node("n2", 1), running=(
         running("a", "n1", (0,), 1000), running("b", "n2", (0,), 600)))
     queue = [queued(f"w{i}", 1000, at=float(i)) for i in range(4)]
     stages = [d for d in decide(cluster, queue, 10.0, PolicySettings(ready_pool=2))
               if isinstance(d, Stage)]
-    assert [(s.task_id, s.node_id) for s in stages] == [("w0", "n2"), ("w1", "n2")]
-    queue[0] = msgspec.structs.replace(queue[0], staged_on="n2")
+    # the node with the most free capacity of its kind first
+    assert [(s.task_id, s.node_id) for s in stages] == [
+        ("w0", "n2"), ("w0", "n1"), ("w1", "n2"), ("w1", "n1")]
+    queue[0] = msgspec.structs.replace(queue[0], staged_on=("n2", "n1"))
+    queue[1] = msgspec.structs.replace(queue[1], staged_on=("n1",))
     stages = [d for d in decide(cluster, queue, 10.0, PolicySettings(ready_pool=2))
               if isinstance(d, Stage)]
-    assert [s.task_id for s in stages] == ["w1"]
+    assert [(s.task_id, s.node_id) for s in stages] == [("w1", "n2")]
+
+
+def test_stage_nodes_bounds_the_nodes_one_task_is_staged_on() -> None:
+    cluster = state(*(node(f"n{i}", 1) for i in range(6)), running=tuple(
+        running(f"r{i}", f"n{i}", (0,), 1000) for i in range(6)))
+    queue = [queued("w", 1000)]
+    for count in (1, 3, 10):
+        stages = [d for d in decide(cluster, queue, 10.0, PolicySettings(stage_nodes=count))
+                  if isinstance(d, Stage)]
+        assert len(stages) == min(count, 6)
+        assert len({s.node_id for s in stages}) == len(stages)
+    staged = msgspec.structs.replace(queue[0], staged_on=("n0", "n1", "n2"))
+    assert not [d for d in decide(cluster, [staged], 10.0, PolicySettings(stage_nodes=3))
+                if isinstance(d, Stage)]
 
 
 def test_background_tasks_take_the_ready_pool_slots_no_immediate_task_wants() -> None:
@@ -283,7 +300,24 @@ def test_background_tasks_take_the_ready_pool_slots_no_immediate_task_wants() ->
 
 def test_a_staged_task_starts_on_its_staged_node_when_it_fits() -> None:
     cluster = state(node("n1", 2), node("n2", 2))
-    assert places(decide(cluster, [queued("t", 1000, staged_on="n2")], 1.0))["t"][0] == "n2"
+    assert places(decide(cluster, [queued("t", 1000, staged_on=("n2",))], 1.0))["t"][0] == "n2"
+    # staged on several: one of them where it fits (n2 is full), never the unstaged n1
+    cluster = state(node("n1", 2), node("n2", 2), node("n3", 2), running=(
+        running("x", "n2", (0,), 1000), running("y", "n2", (1,), 1000)))
+    placed = places(decide(cluster, [queued("t", 1000, staged_on=("n2", "n3"))], 1.0))
+    assert placed["t"][0] == "n3"
+
+
+def test_a_backfill_prefers_an_idle_share_where_its_inputs_are_staged() -> None:
+    """It computes at once there; elsewhere it would first read its inputs in the share."""
+    cluster = state(node("n1", 1), node("n2", 1), running=(
+        running("a", "n1", (0,), 1000, idle=True, gpu_memory_mb=4096),
+        running("b", "n2", (0,), 1000, idle=True, gpu_memory_mb=4096)))
+    for staged, lender in (((), "a"), (("n2",), "b"), (("n1", "n2"), "a")):
+        task = queued("bg", 500, tier="background", staged_on=staged)
+        (place,) = [d for d in decide(cluster, [task], 1.0) if d.task_id == "bg"]
+        assert isinstance(place, Place)
+        assert place.lender == lender
 
 
 def test_idle_share_is_backfilled_by_background_work() -> None:

@@ -11,7 +11,7 @@ import msgspec
 import pytest
 from structlog.testing import capture_logs
 
-from m27.common import events
+from m27.common import events, subjects
 from m27.common.config import Config, SchedulerSection, load_config
 from m27.common.errors import ConfigError
 from m27.common.model import GpuInfo, GpuSample, NodeInfo, Resources
@@ -200,7 +200,7 @@ async def test_each_decision_applied_twice_has_one_effect(
     assert a.placement is not None
     assert (a.placement.gpu_milli, a.placement.lender, a.stopping) == (500, "r/main",
                                                                        "make room")
-    assert (b.wait_reason, b.staged_on, b.placement) == ("needs 1 GPU", "n1", None)
+    assert (b.wait_reason, b.staged_nodes, b.placement) == ("needs 1 GPU", ("n1",), None)
 
 
 async def test_staging_a_task_that_reads_inputs_asks_the_node_once_and_waits_for_its_answer(
@@ -215,7 +215,14 @@ async def test_staging_a_task_that_reads_inputs_asks_the_node_once_and_waits_for
     assert isinstance(command, events.StageTask)
     assert (command.inputs, command.attempt) == (("/data/a", "/data/b"), 1)
     entry = table.entries["r/b"]
-    assert (entry.staging_on, entry.staged_on) == ("n1", "")  # until the agent answers
+    assert (entry.staging_nodes, entry.staged_nodes) == (("n1",), ())  # until it answers
+    # on a second node too: one command each, each node once
+    for _ in range(2):
+        await effects.apply(msgspec.structs.replace(stage, node_id="n2"), {}, 11.0)
+    assert bus.kinds() == ["stage_task", "stage_task"]
+    assert [subject for subject, _, _ in bus.published] == [
+        subjects.node_commands("n1"), subjects.node_commands("n2")]
+    assert table.entries["r/b"].staging_nodes == ("n1", "n2")
 
 
 async def test_a_paused_task_is_continued_before_it_is_asked_to_checkpoint_and_stop(

@@ -455,3 +455,18 @@ def test_a_higher_queued_task_gets_the_free_capacity_before_a_backfill_moves() -
     decisions = decide(_two_gpus(_train()), [urgent], NOW)
     assert places(decisions)["urgent"] == ("n1", (1,))
     assert preempted(decisions) == []
+
+
+def test_a_backfill_is_ranked_for_its_move_with_the_score_it_will_have_once_requeued() -> None:
+    """Its attempt's GPU time counts as held once it is requeued; ranked without it, it
+    would move ahead of a task it then ranks behind, and lose the capacity to it."""
+    held_h = (NOW - OLD) / 3600.0  # train has held a whole GPU this long as a backfill
+    lead_s = 0.5 * held_h * S.held_per_gpu_hour / S.aging_per_hour * 3600.0
+    peer = queued("peer", 1000, at=10.0 + lead_s)  # waited less, but has held nothing
+    decisions = decide(_two_gpus(_train()), [peer], NOW)
+    assert places(decisions)["peer"] == ("n1", (1,))
+    assert preempted(decisions) == []
+    # and with less held time than that lead it moves, ahead of peer
+    decisions = decide(_two_gpus(_train(started=NOW - 0.25 * (NOW - OLD))), [peer], NOW)
+    assert [(d.task_id, d.for_task) for d in decisions if isinstance(d, Preempt)] == [
+        ("train", "train")]

@@ -20,6 +20,7 @@ from m27.scheduler.model import (
     Policy,
     Preempt,
     Queued,
+    Stage,
 )
 from m27.sim import SimConfig, SimJob, Trace, make_nodes, make_policy, simulate, summarize
 from m27.sim._capacity import FreeMap, demand_milli, gpus_needed
@@ -241,3 +242,44 @@ def test_m27_policy_keeps_the_invariants_when_installed() -> None:
     assert m.completed == len(sims)
     assert m.goodput <= m.utilization + 1e-9 <= 1.0
     assert raw.max_gpu_compute_milli <= MILLI_PER_GPU + 1e-6
+
+
+class StageThenPlace:
+    """Stages "j" on `stage_on` at once, places it on n000 GPU 0 from `place_at` on, and
+    records the nodes the engine calls it staged on."""
+
+    def __init__(self, stage_on: tuple[str, ...], place_at: float) -> None:
+        self.stage_on, self.place_at = stage_on, place_at
+        self.seen: list[tuple[float, tuple[str, ...]]] = []
+
+    def __call__(self, state: ClusterState, queue: Sequence[Queued],
+                 now: float) -> list[Decision]:
+        out: list[Decision] = []
+        for q in queue:
+            self.seen.append((now, q.staged_on))
+            out += [Stage(task_id="j", node_id=n, reason="pool") for n in self.stage_on]
+            if now >= self.place_at:
+                out.append(Place(task_id="j", attempt=q.job.attempt, node_id="n000",
+                                 gpu_ids=(0,), gpu_milli=1000, reason="now"))
+        return out
+
+
+@pytest.mark.parametrize(("stage_on", "place_at", "staging"), [
+    (("n000", "n001"), 200.0, 400.0),  # a copy under way there costs only its rest
+    (("n001",), 200.0, 600.0),  # staged elsewhere: the whole copy
+    (("n000",), 700.0, 0.0),  # staged there: none
+    ((), 0.0, 600.0),
+])
+def test_a_start_on_a_staged_node_copies_only_what_is_not_staged_yet(
+        stage_on: tuple[str, ...], place_at: float, staging: float) -> None:
+    job = msgspec.structs.replace(sim_job("j", duration=100.0), stage_s=600.0)
+    trace = Trace(name="t", nodes=make_nodes(2, 1), jobs=(job,))
+    policy = StageThenPlace(stage_on, place_at)
+    raw = simulate(trace, policy, SimConfig(tick_s=100.0))
+    assert raw.held_staging_gpu_s == pytest.approx(staging)
+    (outcome,) = raw.outcomes
+    assert outcome.end_s == pytest.approx(place_at + staging + 100.0)
+    # the queue shows a node as staged only once its copy is done, on every staged node
+    ready = {nodes for at, nodes in policy.seen if at >= 600.0}
+    assert ready <= {tuple(stage_on)}
+    assert all(not nodes for at, nodes in policy.seen if at < 600.0)
