@@ -372,3 +372,14 @@ def test_the_queue_says_how_often_a_task_was_preempted_and_why_it_is_protected()
     assert _api.protected(checkpointed, 100.0, settings) == ""
     waiting = TaskEntry(task=task("w", preemptions=1), queued_at=1.0)
     assert _api.protected(waiting, 100.0, settings) == ""
+
+
+def test_an_entry_stored_before_staging_on_several_nodes_still_decodes() -> None:
+    """The single-node `staging_on` / `staged_on` of an older scheduler are ignored (the
+    task is staged again), never a decode error that loses the task."""
+    old = msgspec.json.encode(TaskEntry(task=task("b"), queued_at=2.0)).replace(
+        b'"staging_nodes":[]', b'"staging_on":"n1"').replace(
+        b'"staged_nodes":[]', b'"staged_on":"n2"')
+    assert b'"staged_on":"n2"' in old
+    entry = msgspec.json.decode(old, type=TaskEntry)
+    assert (entry.task.task_id, entry.staging_nodes, entry.staged_nodes) == ("r/b", (), ())
