@@ -225,6 +225,10 @@ async def test_the_cli_prints_nodes_and_logs(client: Client, m27: M27, tmp_path:
     unknown = await asyncio.to_thread(m27, "logs", run_id, "tlak")
     assert unknown.returncode == 1
     assert unknown.stderr == f"m27: run {run_id} has no step 'tlak' (did you mean `talk`?)\n"
+    far = await asyncio.to_thread(m27, "logs", run_id, "zzz")
+    assert far.stderr == f"m27: run {run_id} has no step 'zzz' (its steps: talk)\n"
+    only_step = await asyncio.to_thread(m27, "logs", run_id)  # a one-step run: that step
+    assert (only_step.returncode, only_step.stdout) == (0, "to out\n"), only_step.stderr
     nodes = await asyncio.to_thread(m27, "nodes")
     assert nodes.returncode == 0, nodes.stderr
     assert "node-1" in nodes.stdout

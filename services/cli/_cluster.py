@@ -47,7 +47,9 @@ def add_commands(sub: Subparsers) -> None:
     logs = add(sub, "logs", "print a step's output (stdout and stderr); -f follows it "
                "until the step ends", cmd_logs)
     logs.add_argument("run_id", metavar="RUN")
-    logs.add_argument("step", metavar="STEP")
+    logs.add_argument("step", metavar="STEP", nargs="?", default="",
+                      help="the step (may be left out when the run has one step; "
+                      "otherwise its steps are listed)")
     logs.add_argument("--attempt", type=int, default=0, metavar="N",
                       help="which attempt (default: the latest that ran)")
     which = logs.add_mutually_exclusive_group()
@@ -209,7 +211,8 @@ def cmd_logs(args: argparse.Namespace) -> int:
     outputs = {"stdout": sys.stdout.buffer, "stderr": sys.stderr.buffer}
 
     async def work(client: Client) -> int:
-        async for chunk in client.stream_logs(args.run_id, args.step, attempt=args.attempt,
+        step = args.step or await _only_step(client, args.run_id)
+        async for chunk in client.stream_logs(args.run_id, step, attempt=args.attempt,
                                               stream=asked, follow=args.follow,
                                               tail_bytes=tail):
             _write(outputs[destination(chunk, asked)], chunk.data)
@@ -222,6 +225,16 @@ def cmd_logs(args: argparse.Namespace) -> int:
     except BrokenPipeError:  # `m27 logs … | head`
         _silence_stdout()
         return 0
+
+
+async def _only_step(client: Client, run_id: str) -> str:
+    """The step of a one-step run; for more, an error that names them."""
+    names = [s.name for s in (await client.get_run(run_id)).steps]
+    if len(names) == 1:
+        return names[0]
+    raise M27Error(f"which step of {run_id}? its steps: {', '.join(names)} "
+                   f"(e.g. m27 logs {run_id} {names[0]})" if names else
+                   f"run {run_id} has no steps")
 
 
 def _write(out: BinaryIO, data: bytes) -> None:

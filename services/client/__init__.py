@@ -200,7 +200,10 @@ class Client:
             return _NotFound(details)
         if code == grpc.StatusCode.INVALID_ARGUMENT:
             return PipelineRejected(details)
-        return ClientError(f"{code.name.lower()}: {details}")
+        if code in _SAID_FOR_PEOPLE and details:
+            return ClientError(details)  # e.g. "run … succeeded: nothing to retry"
+        return ClientError(f"the m27 API refused the call ({code.name.lower()}): "
+                           f"{details or 'no details'}")
 
     # ------------------------------------------------------------ the cluster (ClusterService)
 
@@ -237,6 +240,14 @@ class Client:
         if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION):
             return ClientError(details)
         return self._error(exc)
+
+
+#: Refusals whose details the services write as a sentence for the user: shown as they are.
+_SAID_FOR_PEOPLE = frozenset({
+    grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.ALREADY_EXISTS,
+    grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.PERMISSION_DENIED,
+    grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.ABORTED,
+})
 
 
 class _NotFound(ClientError, NotFoundError):

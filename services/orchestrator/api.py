@@ -19,7 +19,7 @@ from nats.js.api import ConsumerConfig, DeliverPolicy
 
 from m27.common import events, proto, subjects
 from m27.common.errors import NotFoundError
-from m27.common.hints import did_you_mean
+from m27.common.hints import one_of
 from m27.common.ids import is_valid_run_id, new_run_id
 from m27.common.logging import get_logger
 from m27.common.model import TERMINAL_RUN_STATES, NodeInfo, RunRecord
@@ -154,8 +154,7 @@ class PipelineServicer(pb_grpc.PipelineServiceServicer):
 
     async def _require_step_or_abort(self, run: RunRecord, name: str, context: Context) -> None:
         if run.step(name) is None:
-            names = [s.name for s in run.steps]
-            hint = did_you_mean(name, names)
+            hint = one_of(name, [s.name for s in run.steps], "its steps")
             await _abort(context, grpc.StatusCode.NOT_FOUND,
                          f"run {run.run_id} has no step {name[:100]!r}"
                          + (f" ({hint})" if hint else ""))

@@ -22,7 +22,7 @@ from m27.common import logfiles, subjects
 from m27.common.bus import Bus
 from m27.common.errors import NotFoundError
 from m27.common.grpc_server import CLIENT_OPTIONS
-from m27.common.hints import did_you_mean
+from m27.common.hints import one_of
 from m27.common.ids import is_valid_name, is_valid_run_id, task_id
 from m27.common.logfiles import LogChunk, LogQuery, Stream
 from m27.common.logging import get_logger
@@ -156,7 +156,7 @@ def find_attempt(run: RunRecord, name: str, attempt: int) -> Found | Refusal:
     """The attempt whose logs are asked for (0: the latest that started) and its node."""
     step = run.step(name)
     if step is None:
-        hint = did_you_mean(name, [s.name for s in run.steps])
+        hint = one_of(name, [s.name for s in run.steps], "its steps")
         return Refusal(code="not_found", message=f"run {run.run_id} has no step {name!r}"
                        + (f" ({hint})" if hint else ""))
     ran = {a.attempt: a.node_id for a in step.history if a.started_at is not None}

@@ -163,6 +163,7 @@ def test_the_attempt_asked_for_and_where_it_ran(record: StepRecord, attempt: int
 @pytest.mark.parametrize(("record", "name", "attempt", "code", "message", "waitable"), [
     (RUNNING, "trian", 0, "not_found",
      f"run {RUN} has no step 'trian' (did you mean `train`?)", False),
+    (RUNNING, "zzz", 0, "not_found", f"run {RUN} has no step 'zzz' (its steps: train)", False),
     (RUNNING, "train", 3, "not_found",
      "step train has no attempt 3 (attempts that ran: 1, 2)", False),
     (RETRYING, "train", 2, "failed_precondition",
