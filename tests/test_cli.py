@@ -146,8 +146,10 @@ def test_bad_pipelines_are_reported_with_their_location(m27: M27) -> None:
 
 @pytest.mark.slow
 def test_demo_runs_to_a_finished_report(m27: M27) -> None:
-    demo = m27("demo", "--epochs", "2", timeout=300)
+    demo = m27("demo", "--epochs", "2", "--down", timeout=300)
     assert demo.returncode == 0, demo.stdout + demo.stderr
+    assert demo.stderr.rstrip().endswith("m27: stopped the system the demo started (--down)")
+    assert m27("status").returncode == 1  # nothing left running
     report = Path(demo.stdout.strip().rsplit("report: ", 1)[1])
     html = report.read_text()
     for step in ("preprocessing", "training", "analysis"):

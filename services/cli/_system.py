@@ -32,6 +32,9 @@ def add_commands(sub: Subparsers) -> None:
     demo = add(sub, "demo", "bring the system up if needed and run the bundled demo "
                "pipeline (CPU prep → GPU training → GPU-light analysis) to a report", cmd_demo)
     demo.add_argument("--epochs", type=int, default=15)
+    demo.add_argument("--down", action="store_true",
+                      help="stop the system afterwards if the demo started it (default: "
+                      "leave it running, to look at the run with m27 show, logs, queue)")
 
 
 def cmd_up(args: argparse.Namespace) -> int:
@@ -104,7 +107,22 @@ def cmd_demo(args: argparse.Namespace) -> int:
         return _watch.exit_code_for(run)
 
     args.api = state.api
-    return with_client(args, work)
+    try:
+        return with_client(args, work)
+    finally:
+        stopped = bool(args.down and started and system.down(home))
+        print(closing_note(state, started=started, stopped=stopped), file=sys.stderr)
+
+
+def closing_note(state: system.EmbeddedState, *, started: bool, stopped: bool) -> str:
+    """What the demo leaves running, and how to stop it."""
+    if stopped:
+        return "m27: stopped the system the demo started (--down)"
+    names = ", ".join(["nats-server", *(p.name for p in state.processes)])
+    why = "the demo started it" if started else "it was running before the demo"
+    return (f"m27 is still running under {state.home} ({why}): {names}. `m27 status` "
+            "shows it, `m27 down` stops it" + ("; `m27 demo --down` stops what the demo "
+                                              "started" if started else ""))
 
 
 async def _wait_for_report(client: Client, run_id: str) -> str:
