@@ -71,6 +71,7 @@ async def test_a_waiting_step_has_its_inputs_staged_on_the_nodes_it_may_start_on
         records = [json.loads(line) for line in agent.splitlines()
                    if '"task.staged"' in line and task in line]
         assert len(records) == 1, agent
+        assert records[0]["node_id"] == node  # bound on every line the agent logs
         assert (records[0]["files"], records[0]["bytes"], records[0]["missing"]) == (
             4, 375_005, 1), records[0]
     shown = m27_cli(system, "queue").stdout
@@ -83,3 +84,7 @@ async def test_a_waiting_step_has_its_inputs_staged_on_the_nodes_it_may_start_on
     assert run.state == "succeeded", system.logs()
     train = next(s for s in run.steps if s.name == "train")
     assert train.node_id in nodes
+    # every line every service logged is JSON with its service named
+    for name, process in system.processes.items():
+        for line in service_log(process).splitlines():
+            assert "service" in json.loads(line), (name, line)

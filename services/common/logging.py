@@ -18,29 +18,38 @@ __all__ = ["bind_contextvars", "bound_contextvars", "clear_contextvars", "config
 
 def configure(service: str, level: str = "info", *, json: bool | None = None,
               stream: TextIO | None = None) -> None:
-    """Route structlog (and stdlib logging from libraries) to `stream` (stderr)."""
+    """Route structlog, and stdlib logging from libraries (nats-py, grpc, asyncio), to
+    `stream` (stderr) through the same processors: every line is JSON (or console text on
+    a terminal) with the service, level, time and the bound context."""
     out = stream or sys.stderr
     use_json = (not out.isatty()) if json is None else json
     numeric = logging.getLevelNamesMapping().get(level.upper(), logging.INFO)
-    processors: list[Any] = [
+    shared: list[Any] = [
         structlog.contextvars.merge_contextvars,
         structlog.processors.add_log_level,
         structlog.processors.TimeStamper(fmt="iso", utc=True),
         _add_service(service),
-        structlog.processors.StackInfoRenderer(),
-        structlog.processors.format_exc_info,
     ]
     renderer: Any = (
         structlog.processors.JSONRenderer() if use_json else structlog.dev.ConsoleRenderer()
     )
     structlog.configure(
-        processors=[*processors, renderer],
+        processors=[*shared, structlog.processors.StackInfoRenderer(),
+                    structlog.processors.format_exc_info, renderer],
         wrapper_class=structlog.make_filtering_bound_logger(numeric),
         logger_factory=structlog.PrintLoggerFactory(file=out),
         cache_logger_on_first_use=True,
     )
-    logging.basicConfig(level=max(numeric, logging.WARNING), stream=out,
-                        format="%(levelname)s %(name)s: %(message)s")
+    handler = logging.StreamHandler(out)
+    handler.setFormatter(structlog.stdlib.ProcessorFormatter(
+        foreign_pre_chain=[*shared, structlog.stdlib.add_logger_name],
+        processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta,
+                    structlog.processors.format_exc_info, renderer]))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    # libraries are chatty at info: only their warnings and errors
+    root.setLevel(max(numeric, logging.WARNING))
+    logging.captureWarnings(True)  # `warnings.warn` lines come out the same way
 
 
 def _add_service(service: str) -> Any:

@@ -34,11 +34,11 @@ import torch
 from m27.common.checkpoint_format import CorruptChunk, Manifest
 from m27.common.checkpoint_storage import CheckpointSink
 from m27.common.config import load_config
-from m27.common.logging import get_logger
 from m27.train import _rng, _state
 from m27.train._capture import Capture, Sources, StateLayout
 from m27.train._cursor import Cursor
 from m27.train._errors import CheckpointError, RestoreError
+from m27.train._log import log
 from m27.train._persist import DeltaBase, Persister, Priority
 from m27.train._policy import Policy, decide, next_kind
 from m27.train._restore import is_train_checkpoint, read_checkpoint
@@ -46,7 +46,6 @@ from m27.train._snapshot import Copier, HostBuffers, Snapshot, wait_copied
 from m27.train._stores import open_store, task_identity
 
 PACK_BELOW: Final = 1024 * 1024
-log = get_logger(component="m27.train")
 
 
 @dataclass

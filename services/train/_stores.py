@@ -9,9 +9,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from m27.common.checkpoint_storage import TRAIN_STORE_SUBDIR, CheckpointSink, LocalStore
-from m27.common.logging import get_logger
-
-log = get_logger(component="m27.train")
+from m27.train._log import log
 
 
 def open_store(store: CheckpointSink | str | os.PathLike[str] | None,

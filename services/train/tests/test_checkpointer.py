@@ -3,6 +3,7 @@ and what happens when the store fails."""
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 import signal
@@ -315,6 +316,24 @@ def test_a_damaged_latest_checkpoint_falls_back_to_the_one_before(
     assert second.ckpt.counters.corrupt == 1
     assert second.ckpt.latest is not None
     assert second.ckpt.latest.checkpoint_id == before.checkpoint_id
+
+
+def test_the_fallback_is_logged_through_the_programs_logging_never_printed(
+        store: LocalStore, env: dict[str, str], runs: list[Run],
+        caplog: pytest.LogCaptureFixture, capsys: pytest.CaptureFixture[str]) -> None:
+    first = new_run(runs, store, env, every_steps=1)
+    first.steps(3, Cursor())
+    *_, before, latest = store.list("local")
+    path = store.chunks.path(sorted(chunk_ids(latest) - chunk_ids(before))[0])
+    path.chmod(0o644)
+    path.write_bytes(b"flipped")
+    capsys.readouterr()
+    with caplog.at_level(logging.INFO, logger="m27.train"):
+        new_run(runs, store, env).ckpt.resume()
+    events = [r.m27["event"] for r in caplog.records if r.name == "m27.train"]  # type: ignore[attr-defined]
+    assert events == ["checkpoint_corrupt", "checkpoint_restored"]
+    assert caplog.records[0].getMessage().startswith("checkpoint_corrupt task_id=local ")
+    assert capsys.readouterr().out == ""
 
 
 def test_when_every_checkpoint_is_damaged_resume_says_so(
