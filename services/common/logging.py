@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import sys
-from typing import Any, TextIO
+from typing import Any, Protocol
 
 import structlog
 from structlog.contextvars import bind_contextvars, bound_contextvars, clear_contextvars
@@ -16,8 +16,18 @@ from structlog.contextvars import bind_contextvars, bound_contextvars, clear_con
 __all__ = ["bind_contextvars", "bound_contextvars", "clear_contextvars", "configure", "get_logger"]
 
 
+class Stream(Protocol):
+    """Where log lines go: stderr, a StringIO, a `RotatingLog`."""
+
+    def write(self, text: str, /) -> int: ...
+
+    def flush(self) -> None: ...
+
+    def isatty(self) -> bool: ...
+
+
 def configure(service: str, level: str = "info", *, json: bool | None = None,
-              stream: TextIO | None = None) -> None:
+              stream: Stream | None = None) -> None:
     """Route structlog, and stdlib logging from libraries (nats-py, grpc, asyncio), to
     `stream` (stderr) through the same processors: every line is JSON (or console text on
     a terminal) with the service, level, time and the bound context."""
@@ -37,7 +47,7 @@ def configure(service: str, level: str = "info", *, json: bool | None = None,
         processors=[*shared, structlog.processors.StackInfoRenderer(),
                     structlog.processors.format_exc_info, renderer],
         wrapper_class=structlog.make_filtering_bound_logger(numeric),
-        logger_factory=structlog.PrintLoggerFactory(file=out),
+        logger_factory=structlog.PrintLoggerFactory(file=out),  # type: ignore[arg-type]
         cache_logger_on_first_use=True,
     )
     handler = logging.StreamHandler(out)

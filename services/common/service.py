@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from m27 import __version__
-from m27.common import subjects
+from m27.common import logrotate, subjects
 from m27.common.bus import Bus
 from m27.common.config import Config, LoadedConfig, Overrides, effective, load_config
 from m27.common.errors import M27Error
@@ -156,10 +156,12 @@ def run_service(
     """Load config, set up logging, run `main` until SIGTERM/SIGINT; exit 1 on a clear error."""
     try:
         loaded = load_config(args.config, overrides={("nats", "url"): args.nats, **overrides})
+        rotating = logrotate.from_environment(os.environ)
+        os.environ.pop("M27_LOG_FILE", None)  # not for the processes it starts (steps)
     except M27Error as exc:
         print(f"m27.{name}: {exc}", file=sys.stderr)
         raise SystemExit(2) from exc
-    configure(name, args.log_level, json=args.log_json)
+    configure(name, args.log_level, json=args.log_json, stream=rotating)
     for warning in loaded.warnings:
         log.warning("config.warning", message=warning)
     log.info("service.starting", version=__version__, pid=os.getpid(),

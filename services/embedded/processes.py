@@ -42,6 +42,7 @@ def launch(name: str, module: str, args: Sequence[str], *, log_dir: Path,
     ready_file.unlink(missing_ok=True)
     child_env = dict(os.environ if env is None else env)
     child_env.setdefault("PYTHONUNBUFFERED", "1")
+    child_env["M27_LOG_FILE"] = str(log_path)  # the service rotates it (m27.common.logrotate)
     with log_path.open("ab") as log_file:
         process = subprocess.Popen(
             [sys.executable, "-m", module, *args, "--ready-file", str(ready_file)],
