@@ -10,7 +10,7 @@ import time
 import urllib.request
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Final
+from typing import Final, TypeVar
 
 from m27.client import Client
 from m27.client.scheduler import QueueItem, SchedulerClient
@@ -76,6 +76,23 @@ def scheduler_address(cluster: Cluster) -> str:
 async def queue(cluster: Cluster, explain: bool = False) -> list[QueueItem]:
     async with SchedulerClient(scheduler_address(cluster)) as scheduler:
         return await scheduler.queue(explain=explain)
+
+
+T = TypeVar("T")
+
+
+async def poll_queue(cluster: Cluster, found: Callable[[list[QueueItem]], T | None],
+                     what: str, *, explain: bool = False, timeout: float = 30.0) -> T:
+    """The first non-empty `found(queue)`, asked of one client every 0.1 s; an assertion
+    naming `what` after `timeout`."""
+    deadline = time.monotonic() + timeout
+    async with SchedulerClient(scheduler_address(cluster)) as scheduler:
+        while True:
+            result = found(await scheduler.queue(explain=explain))
+            if result:
+                return result
+            assert time.monotonic() < deadline, f"{what} within {timeout:.0f} s"
+            await asyncio.sleep(0.1)
 
 
 def m27_cli(cluster: Cluster, *args: str) -> subprocess.CompletedProcess[str]:

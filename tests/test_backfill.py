@@ -18,12 +18,11 @@ from typing import Final
 import pytest
 
 from m27.client import Client
-from m27.client.scheduler import QueueItem
 from tests.scheduling_support import (
     COUNTER,
     FAST_POLICY,
     agent_system,
-    queue,
+    poll_queue,
     scheduler_log,
 )
 from tests.support import Cluster, finished_run, lines, service_log, wait_for
@@ -90,10 +89,9 @@ async def test_an_idle_report_starts_a_backfill_that_is_paused_while_the_main_ta
     await wait_for(lambda: bool(phases(work / "main.phases")), "the main step does not run")
     backfill = await client.submit(BACKFILL_PIPELINE, workdir=str(work))
     # While the main step computes, the background step waits: the GPU is taken.
-    waiting: list[QueueItem] = []
-    while not waiting:
-        waiting = [i for i in await queue(system, explain=True)
-                   if i.task_id == f"{backfill}/prep"]
+    waiting = await poll_queue(
+        system, lambda items: [i for i in items if i.task_id == f"{backfill}/prep"],
+        "the background step is not queued", explain=True)
     assert (waiting[0].state, waiting[0].tier) == ("waiting", "background"), waiting
     assert waiting[0].explanation is not None
     assert "background tier" in waiting[0].reason

@@ -7,9 +7,7 @@ and the step starts on one of them.
 
 from __future__ import annotations
 
-import asyncio
 import json
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Final
@@ -17,7 +15,8 @@ from typing import Final
 import pytest
 
 from m27.client import Client
-from tests.scheduling_support import agent_system, m27_cli, queue, scheduler_log
+from m27.client.scheduler import QueueItem
+from tests.scheduling_support import agent_system, m27_cli, poll_queue, scheduler_log
 from tests.support import Cluster, finished_run, service_log
 
 pytestmark = pytest.mark.integration
@@ -54,15 +53,11 @@ async def test_a_waiting_step_has_its_inputs_staged_on_the_nodes_it_may_start_on
     reader = await client.submit(READER, workdir=str(work))
     task = f"{reader}/train"
 
-    async def staged() -> tuple[str, ...]:
-        items = [i for i in await queue(system) if i.task_id == task]
-        return items[0].staged_on if items and items[0].state == "waiting" else ()
+    def staged(items: list[QueueItem]) -> tuple[str, ...]:
+        mine = [i for i in items if i.task_id == task and i.state == "waiting"]
+        return mine[0].staged_on if mine and len(mine[0].staged_on) == 2 else ()
 
-    nodes: tuple[str, ...] = ()
-    deadline = time.monotonic() + 60
-    while len(nodes) < 2 and time.monotonic() < deadline:
-        nodes = await staged()
-        await asyncio.sleep(0.2)
+    nodes = await poll_queue(system, staged, "not staged on both nodes", timeout=60)
     assert sorted(nodes) == ["node-1", "node-2"], scheduler_log(system)
     # Each agent read the three files and the dependency's output, once; `absent.bin` is
     # missing.

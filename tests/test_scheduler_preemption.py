@@ -26,6 +26,7 @@ from tests.scheduling_support import (
     COUNTER,
     agent_system,
     counts,
+    poll_queue,
     queue,
     scheduler_log,
     scheduler_metrics,
@@ -61,13 +62,10 @@ async def test_an_urgent_step_preempts_a_background_one_which_resumes_from_its_c
     # While the urgent step runs, the preempted one waits with its original queue time.
     await wait_step(client, urgent, "fix", lambda s: s.state == "running",
                     "the urgent step never ran", timeout=40)
-    requeued = None
-    deadline = time.monotonic() + 10
-    while requeued is None:
-        assert time.monotonic() < deadline, "the preempted step was not requeued"
-        requeued = next((item for item in await queue(system, explain=True)
-                         if item.task_id == f"{background}/sweep" and item.attempt == 2),
-                        None)
+    requeued = await poll_queue(
+        system, lambda items: next((i for i in items if i.task_id == f"{background}/sweep"
+                                    and i.attempt == 2), None),
+        "the preempted step was not requeued", explain=True, timeout=10)
     assert requeued.state == "waiting"
     assert requeued.queued_at == pytest.approx(first_queued, abs=0.01)
     # Thrash is visible: the requeue says it was preempted before any checkpoint was
