@@ -25,7 +25,7 @@ from m27.common.bus import Bus
 from m27.common.model import StepRecord
 from m27.embedded.nats_server import pid_alive
 from m27.embedded.processes import ServiceProcess, wait_ready
-from tests.support import Cluster, TcpProxy, finished_run
+from tests.support import Cluster, TcpProxy, finished_run, service_log, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -153,7 +153,10 @@ async def test_a_cut_off_node_fences_itself_before_its_work_restarts_elsewhere(
         assert_never_overlapped(work)
         assert run.steps[0].attempt == 2
         proxy.heal()
-        await asyncio.sleep(3)  # node a comes back: nothing of attempt 1 runs or counts
+        # node a comes back (its connection is restored): nothing of attempt 1 runs or counts
+        agent_a = system.processes["agent-a"]
+        await wait_for(lambda: "nats.reconnected" in service_log(agent_a),
+                       "agent a never reconnected after the heal", timeout=30)
         again = await client.get_run(run_id)
         assert again.steps[0].attempt == 2
         assert again.state == "succeeded"

@@ -48,7 +48,12 @@ async def test_a_report_is_written_once_the_api_is_back(system: Cluster) -> None
     stop([system.processes.pop("orchestrator")])
     report = system.launch("report", "m27.report")
     wait_ready([report])
-    await asyncio.sleep(2.0)  # it sees the finished run but cannot reach the API
+
+    async def tried() -> bool:  # it saw the finished run and could not reach the API
+        return f'"consumer": "{subjects.REPORT_RUN_STATE}"' in service_log(report) and (
+            "bus.handler_failed" in service_log(report))
+
+    await wait_until(tried)
     assert not (system.home / "reports" / f"{run_id}.html").exists()
     orchestrator = system.launch("orchestrator", "m27.orchestrator")
     wait_ready([orchestrator])
@@ -68,13 +73,20 @@ async def test_an_unknown_run_is_acknowledged_not_retried(system: Cluster) -> No
     ghost = "r-20000101-000000-0000aa"
     await bus.publish(subjects.run_state(ghost), events.RunStateChanged(
         at=time.time(), run_id=ghost, state="failed", previous="running"))
-    await bus.close()
     log_of = system.processes["report"]
 
     async def logged() -> bool:
         return "report.run_not_found" in service_log(log_of)
 
     await wait_until(logged)
-    await asyncio.sleep(2.5)  # a redelivery would come after about a second
+
+    async def acked() -> bool:  # acknowledged: JetStream will never deliver it again
+        info = await bus.js.consumer_info(subjects.EVENTS_STREAM, subjects.REPORT_RUN_STATE)
+        return info.num_ack_pending == 0 and (info.num_pending or 0) == 0
+
+    await wait_until(acked)
+    info = await bus.js.consumer_info(subjects.EVENTS_STREAM, subjects.REPORT_RUN_STATE)
+    assert info.num_redelivered == 0
+    await bus.close()
     assert service_log(log_of).count("report.run_not_found") == 1
     assert not (system.home / "reports" / f"{ghost}.html").exists()
