@@ -108,6 +108,7 @@ def step_to_proto(step: StepRecord) -> pb.Step:
         urgency=_URGENCY_TO_PB[step.urgency], preemptible=step.preemptible,
         timeout_s=step.timeout_s or 0.0, workdir=step.workdir,
         resources=_resources_to_proto(step.resources), energy_j=step.energy_j or 0.0,
+        checkpoint_interval_s=step.checkpoint_interval_s or 0.0,
     )
     if step.exit_code is not None:
         message.exit_code = step.exit_code
@@ -139,6 +140,7 @@ def step_from_proto(message: pb.Step) -> StepRecord:
                             memory_mb=r.memory_mb),
         stdout_path=message.stdout_path, stderr_path=message.stderr_path,
         energy_j=message.energy_j or None,
+        checkpoint_interval_s=message.checkpoint_interval_s or None,
     )
 
 

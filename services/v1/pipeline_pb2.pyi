@@ -677,6 +677,7 @@ class Step(_message.Message):
     RESOURCES_FIELD_NUMBER: _builtins.int
     ENERGY_J_FIELD_NUMBER: _builtins.int
     PREEMPTIONS_FIELD_NUMBER: _builtins.int
+    CHECKPOINT_INTERVAL_S_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     type: Global___StepType.ValueType
     state: Global___StepState.ValueType
@@ -716,6 +717,8 @@ class Step(_message.Message):
     """How often the step was preempted (checkpoint-then-stop for more urgent work, or moved
     off a draining node) and requeued; preemptions use no retry budget.
     """
+    checkpoint_interval_s: _builtins.float
+    """The pipeline's `checkpoint:` interval for the step; 0 when it has none."""
     @_builtins.property
     def depends_on(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     @_builtins.property
@@ -768,10 +771,11 @@ class Step(_message.Message):
         resources: Global___Resources | None = ...,
         energy_j: _builtins.float = ...,
         preemptions: _builtins.int = ...,
+        checkpoint_interval_s: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_exit_code", b"_exit_code", "exit_code", b"exit_code", "resources", b"resources"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_exit_code", b"_exit_code", "attempt", b"attempt", "cached_from", b"cached_from", "command", b"command", "depends_on", b"depends_on", "ended_at", b"ended_at", "energy_j", b"energy_j", "exit_code", b"exit_code", "failures", b"failures", "gpu_ids", b"gpu_ids", "gpu_share", b"gpu_share", "gpu_simulated", b"gpu_simulated", "group", b"group", "history", b"history", "infra_failures", b"infra_failures", "inputs", b"inputs", "matrix", b"matrix", "name", b"name", "node_id", b"node_id", "output", b"output", "outputs", b"outputs", "preemptible", b"preemptible", "preemptions", b"preemptions", "queued_at", b"queued_at", "reason", b"reason", "resources", b"resources", "started_at", b"started_at", "state", b"state", "stderr_path", b"stderr_path", "stderr_tail", b"stderr_tail", "stdout_path", b"stdout_path", "stdout_tail", b"stdout_tail", "timeout_s", b"timeout_s", "type", b"type", "urgency", b"urgency", "workdir", b"workdir"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_exit_code", b"_exit_code", "attempt", b"attempt", "cached_from", b"cached_from", "checkpoint_interval_s", b"checkpoint_interval_s", "command", b"command", "depends_on", b"depends_on", "ended_at", b"ended_at", "energy_j", b"energy_j", "exit_code", b"exit_code", "failures", b"failures", "gpu_ids", b"gpu_ids", "gpu_share", b"gpu_share", "gpu_simulated", b"gpu_simulated", "group", b"group", "history", b"history", "infra_failures", b"infra_failures", "inputs", b"inputs", "matrix", b"matrix", "name", b"name", "node_id", b"node_id", "output", b"output", "outputs", b"outputs", "preemptible", b"preemptible", "preemptions", b"preemptions", "queued_at", b"queued_at", "reason", b"reason", "resources", b"resources", "started_at", b"started_at", "state", b"state", "stderr_path", b"stderr_path", "stderr_tail", b"stderr_tail", "stdout_path", b"stdout_path", "stdout_tail", b"stdout_tail", "timeout_s", b"timeout_s", "type", b"type", "urgency", b"urgency", "workdir", b"workdir"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__exit_code: _TypeAlias = _typing.Literal["exit_code"]  # noqa: Y015
     _WhichOneofArgType__exit_code: _TypeAlias = _typing.Literal["_exit_code", b"_exit_code"]  # noqa: Y015

@@ -113,3 +113,10 @@ def test_run_survives_the_trip_through_protobuf() -> None:
                            StepRecord(name="b", type="cpu", command="y")))
     back = proto.run_from_proto(proto.run_to_proto(run))
     assert back == msgspec.structs.replace(run, vars={})
+
+
+def test_a_steps_checkpoint_interval_crosses_grpc() -> None:
+    every = StepRecord(name="md", type="gpu", command="x", checkpoint_interval_s=300.0)
+    assert proto.step_from_proto(proto.step_to_proto(every)).checkpoint_interval_s == 300.0
+    never = StepRecord(name="md", type="gpu", command="x")
+    assert proto.step_from_proto(proto.step_to_proto(never)).checkpoint_interval_s is None
