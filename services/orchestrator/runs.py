@@ -439,8 +439,10 @@ def retry_run(stored: StoredRun, now: float) -> StoredRun | str:
     change = _Change(stored, now)
     change.run = replace(change.run, cancel_requested=False)
     for name in again:
+        # the retry budget and the thrash guard start again; `preemptions` stays history
         change.set_step(name, "pending", "retry requested", failures=0, infra_failures=0,
-                        cancel_requested=False, exit_code=None, ended_at=None)
+                        fruitless_preemptions=0, cancel_requested=False, exit_code=None,
+                        ended_at=None)
     started = any(s.state == "succeeded" for s in run.steps)
     change.set_run("running" if started else "queued", f"retry of {len(again)} step(s)",
                    ended_at=None)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import msgspec
+
 from m27.common import events, subjects
 from m27.common.ids import task_id
 from m27.orchestrator import runs
@@ -316,9 +318,18 @@ def test_retry_run_reruns_only_what_did_not_succeed() -> None:
         stored, _ = flush(started(stored, name, 103))
         stored, _ = flush(exited(stored, name, 0 if name == "train" else 9, 104))
     assert stored.run.state == "failed"
+    before = stored.run.step("other")
+    assert before is not None
+    thrashed = msgspec.structs.replace(before, preemptions=4, fruitless_preemptions=3)
+    stored = msgspec.structs.replace(stored, run=msgspec.structs.replace(
+        stored.run, steps=tuple(thrashed if s.name == "other" else s
+                                for s in stored.run.steps)))
     retried = runs.retry_run(stored, 200)
     assert not isinstance(retried, str)
     stored, sent = flush(retried)
+    other = stored.run.step("other")
+    assert other is not None
+    assert (other.preemptions, other.fruitless_preemptions) == (4, 0)
     assert states(stored) == {"prep": "succeeded", "train": "succeeded",
                               "other": "queued", "analysis": "queued"}
     enqueued = {m.step: m.attempt for m in sent if isinstance(m, events.EnqueueTask)}
