@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Final
+from typing import Any, Final, NoReturn
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -24,6 +24,13 @@ CLIENT_OPTIONS: Final = [
 ]
 
 Register = Callable[[grpc.aio.Server], None]
+
+
+async def abort(context: grpc.aio.ServicerContext[Any, Any], code: grpc.StatusCode,
+                message: str, *, metadata: Sequence[tuple[str, str]] = ()) -> NoReturn:
+    """End the call with `code` and a sentence for the user (every servicer's refusals)."""
+    await context.abort(code, message, trailing_metadata=tuple(metadata))
+    raise AssertionError("context.abort raises")
 
 
 class GrpcServer:

@@ -10,11 +10,12 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
-from typing import Final, NoReturn
+from typing import Final
 
 import grpc
 
 from m27.common import logfiles
+from m27.common.grpc_server import abort
 from m27.common.ids import split_task_id
 from m27.common.logfiles import LogChunk, LogQuery
 from m27.node_agent._runner import TaskRunner
@@ -59,11 +60,6 @@ def chunk_to_proto(chunk: LogChunk) -> pb.LogChunk:
     return pb.LogChunk(stream=chunk.stream, data=chunk.data, offset=chunk.offset)
 
 
-async def _abort(context: Context, code: grpc.StatusCode, message: str) -> NoReturn:
-    await context.abort(code, message)
-    raise AssertionError("context.abort raises")
-
-
 class NodeServicer(pb_grpc.NodeServiceServicer):
     def __init__(self, home: Path, node_id: str, is_running: IsRunning, *,
                  poll_s: float = logfiles.POLL_S) -> None:
@@ -80,7 +76,7 @@ class NodeServicer(pb_grpc.NodeServiceServicer):
         try:
             query = tail_query(request)
         except ValueError as exc:
-            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            await abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         files = await self._open(query, context)
 
         async def running() -> bool:
@@ -98,8 +94,8 @@ class NodeServicer(pb_grpc.NodeServiceServicer):
             return await asyncio.to_thread(logfiles.open_logs, self.home, query)
         except logfiles.LogNotFound as exc:
             what = "/".join(query.streams) if len(query.streams) == 1 else "stdout or stderr"
-            await _abort(context, grpc.StatusCode.NOT_FOUND,
+            await abort(context, grpc.StatusCode.NOT_FOUND,
                          f"node {self.node_id} has no {what} log of {query.run_id}/"
                          f"{query.step} attempt {query.attempt} ({exc})")
         except logfiles.LogError as exc:
-            await _abort(context, grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+            await abort(context, grpc.StatusCode.FAILED_PRECONDITION, str(exc))

@@ -10,7 +10,7 @@ from __future__ import annotations
 import getpass
 import time
 from collections.abc import AsyncIterator
-from typing import Final, NoReturn
+from typing import Final
 
 import grpc
 import msgspec
@@ -19,6 +19,7 @@ from nats.js.api import ConsumerConfig, DeliverPolicy
 
 from m27.common import events, proto, subjects
 from m27.common.errors import NotFoundError
+from m27.common.grpc_server import abort
 from m27.common.hints import one_of
 from m27.common.ids import is_valid_run_id, new_run_id
 from m27.common.logging import get_logger
@@ -41,11 +42,6 @@ RESUME_IDLE_S: Final = 1.0
 Context = grpc.aio.ServicerContext[object, object]
 
 
-async def _abort(context: Context, code: grpc.StatusCode, message: str) -> NoReturn:
-    await context.abort(code, message)
-    raise AssertionError("context.abort raises")
-
-
 class PipelineServicer(pb_grpc.PipelineServiceServicer):
     def __init__(self, engine: Engine, gpu_light_share: float) -> None:
         self.engine = engine
@@ -58,7 +54,7 @@ class PipelineServicer(pb_grpc.PipelineServiceServicer):
                              context: Context) -> pb.SubmitPipelineResponse:
         user = request.user or getpass.getuser()
         if len(user) > MAX_USER_CHARS:
-            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "user is too long")
+            await abort(context, grpc.StatusCode.INVALID_ARGUMENT, "user is too long")
         spec = await self._load(request.pipeline_yaml, dict(request.vars), request.source_name,
                                 request.workdir, request.urgency, context)
         await self._check_capacity(spec, request.source_name, context)
@@ -75,7 +71,7 @@ class PipelineServicer(pb_grpc.PipelineServiceServicer):
             log.info("run.submitted", run_id=stored.run.run_id, user=user,
                      steps=len(stored.run.steps))
             return pb.SubmitPipelineResponse(run_id=stored.run.run_id)
-        await _abort(context, grpc.StatusCode.INTERNAL, "could not allocate a run id")
+        await abort(context, grpc.StatusCode.INTERNAL, "could not allocate a run id")
         raise AssertionError("unreachable")
 
     async def PlanPipeline(self, request: pb.PlanPipelineRequest,
@@ -92,7 +88,7 @@ class PipelineServicer(pb_grpc.PipelineServiceServicer):
                     workdir: str, urgency: pb.Urgency.ValueType,
                     context: Context) -> PipelineSpec:
         if len(workdir) > MAX_WORKDIR_CHARS or (workdir and not workdir.startswith("/")):
-            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT,
+            await abort(context, grpc.StatusCode.INVALID_ARGUMENT,
                          f"workdir must be an absolute path, got {workdir[:200]!r}")
         given = None if urgency == pb.URGENCY_UNSPECIFIED else proto.urgency_from_proto(urgency)
         try:
@@ -100,7 +96,7 @@ class PipelineServicer(pb_grpc.PipelineServiceServicer):
                                  gpu_light_share=self.gpu_light_share, urgency=given,
                                  workdir=workdir)
         except PipelineError as exc:
-            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            await abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
 
     async def _nodes(self) -> list[NodeInfo]:
         bus = self.store.bus
@@ -120,7 +116,7 @@ class PipelineServicer(pb_grpc.PipelineServiceServicer):
                 Problem(message=p, hint="nodes: " + ", ".join(
                     f"{n.node_id} ({len(n.gpus)} GPU, {n.cpu_slots} CPU)" for n in nodes))
                 for p in problems])
-            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(error))
+            await abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(error))
 
     # ------------------------------------------------------------ runs
 
@@ -133,7 +129,7 @@ class PipelineServicer(pb_grpc.PipelineServiceServicer):
         try:
             query = history.Query.from_request(request)
         except ValueError as exc:
-            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            await abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         found, token = await history.list_runs(self.store, query)
         return pb.ListRunsResponse(runs=[proto.summary_to_proto(r) for r in found],
                                    next_page_token=token)
@@ -155,7 +151,7 @@ class PipelineServicer(pb_grpc.PipelineServiceServicer):
     async def _require_step_or_abort(self, run: RunRecord, name: str, context: Context) -> None:
         if run.step(name) is None:
             hint = one_of(name, [s.name for s in run.steps], "its steps")
-            await _abort(context, grpc.StatusCode.NOT_FOUND,
+            await abort(context, grpc.StatusCode.NOT_FOUND,
                          f"run {run.run_id} has no step {name[:100]!r}"
                          + (f" ({hint})" if hint else ""))
 
@@ -176,7 +172,7 @@ class PipelineServicer(pb_grpc.PipelineServiceServicer):
 
         stored = await self.engine.change(request.run_id, decide)
         if refusal:
-            await _abort(context, grpc.StatusCode.FAILED_PRECONDITION, refusal[0])
+            await abort(context, grpc.StatusCode.FAILED_PRECONDITION, refusal[0])
         log.info("run.retry", run_id=request.run_id, steps=len(again))
         return pb.RetryRunResponse(state=proto.run_to_proto(stored.run).state, steps=again)
 
@@ -208,13 +204,13 @@ class PipelineServicer(pb_grpc.PipelineServiceServicer):
 
     async def _get(self, run_id: str, context: Context) -> runs.StoredRun:
         if not is_valid_run_id(run_id):
-            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT,
+            await abort(context, grpc.StatusCode.INVALID_ARGUMENT,
                          f"not a run id: {run_id[:80]!r} (run ids look like "
                          "r-20261201-081500-a1b2c3)")
         try:
             stored, _ = await self.store.get(run_id)
         except NotFoundError:
-            await _abort(context, grpc.StatusCode.NOT_FOUND, f"no run {run_id}")
+            await abort(context, grpc.StatusCode.NOT_FOUND, f"no run {run_id}")
         return stored
 
 

@@ -21,7 +21,7 @@ import msgspec
 from m27.common import logfiles, subjects
 from m27.common.bus import Bus
 from m27.common.errors import NotFoundError
-from m27.common.grpc_server import CLIENT_OPTIONS
+from m27.common.grpc_server import CLIENT_OPTIONS, abort
 from m27.common.hints import one_of
 from m27.common.ids import is_valid_name, is_valid_run_id, task_id
 from m27.common.logfiles import LogChunk, LogQuery, Stream
@@ -196,8 +196,7 @@ def stream_name(streams: Sequence[Stream]) -> str:
 
 async def _abort(context: Context, code: grpc.StatusCode, message: str,
                  own: bool = False) -> NoReturn:
-    await context.abort(code, message, trailing_metadata=(ERROR_ORIGIN,) if own else ())
-    raise AssertionError("context.abort raises")
+    await abort(context, code, message, metadata=(ERROR_ORIGIN,) if own else ())
 
 
 _CODES: Final = {"not_found": grpc.StatusCode.NOT_FOUND,
