@@ -33,7 +33,7 @@ from nats.js.api import (
 from nats.js.kv import KeyValue
 
 from m27.common import events, subjects
-from m27.common.errors import BusError
+from m27.common.errors import BusError, M27Error
 from m27.common.logging import get_logger
 
 log = get_logger()
@@ -48,7 +48,7 @@ JS_TIMEOUT_S: Final = 10.0
 ACK_WAIT_S: Final = 5.0
 
 
-class PoisonMessage(Exception):
+class PoisonMessage(M27Error):
     """A message that can never be handled (undecodable); it is terminated, not retried."""
 
 

@@ -26,6 +26,8 @@ import msgspec
 import numpy as np
 import zstandard
 
+from m27.common.errors import M27Error
+
 CHUNK_BYTES: Final = 4 * 1024 * 1024
 CHUNK_ID_RE: Final = re.compile(r"[0-9a-f]{64}")
 Codec = Literal["zstd", "xor-zstd"]
@@ -80,7 +82,7 @@ class Manifest(msgspec.Struct, frozen=True, kw_only=True):
 ChunkSource = Callable[[str], bytes]
 
 
-class CorruptChunk(ValueError):
+class CorruptChunk(M27Error, ValueError):
     """Stored bytes that do not match their id, or decode to bytes that do not match."""
 
 

@@ -24,6 +24,7 @@ import nats.errors
 from m27.common import subjects
 from m27.common.bus import Bus, PoisonMessage
 from m27.common.checkpoint_storage import CheckpointSink
+from m27.common.errors import M27Error
 from m27.common.events import StartTask, StopTask, TaskExited, TaskStarted
 from m27.common.logging import bound_contextvars, get_logger
 from m27.common.model import Fence, ServiceInfo, TaskHolding
@@ -75,18 +76,18 @@ FILES_FINAL_UPLOAD_TIMEOUT_S: Final = 120.0
 TaskKey = tuple[str, int]
 
 
-class NotLeased(Exception):
+class NotLeased(M27Error):
     """The node's lease lapsed: start nothing until it is renewed (the message comes back)."""
 
 
-class AgentStopping(Exception):
+class AgentStopping(M27Error):
     """A StartTask arrived while the agent shuts down; it is redelivered to the next agent."""
 
 
 NO_SIGNAL: Final = "none"  # checkpoint_signal: none — never signalled to checkpoint
 
 
-class CannotStart(Exception):
+class CannotStart(M27Error):
     """The task's process could not be started; the message says why."""
 
 

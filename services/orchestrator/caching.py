@@ -28,6 +28,7 @@ import msgspec
 
 from m27.common import subjects
 from m27.common.bus import Bus
+from m27.common.errors import M27Error
 from m27.common.logging import get_logger
 from m27.common.model import RunRecord, StepRecord
 from m27.orchestrator.runs import CacheHit, absolute, step_workdir
@@ -51,7 +52,7 @@ class CacheEntry(msgspec.Struct, frozen=True, kw_only=True):
     created_at: float
 
 
-class NotCacheable(Exception):
+class NotCacheable(M27Error):
     """Why a step cannot be reused (it then runs); shown in the plan."""
 
 

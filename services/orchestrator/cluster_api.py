@@ -20,7 +20,7 @@ import msgspec
 
 from m27.common import logfiles, subjects
 from m27.common.bus import Bus
-from m27.common.errors import NotFoundError
+from m27.common.errors import M27Error, NotFoundError
 from m27.common.grpc_server import CLIENT_OPTIONS, abort
 from m27.common.hints import one_of
 from m27.common.ids import is_valid_name, is_valid_run_id, task_id
@@ -223,7 +223,7 @@ def logs_request(request: pb.StreamLogsRequest) -> LogQuery:
                     tail_bytes=request.tail_bytes)
 
 
-class _Unreachable(Exception):
+class _Unreachable(M27Error):
     """The node-agent is not there to relay from; the message says why."""
 
 

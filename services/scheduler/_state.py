@@ -14,7 +14,7 @@ from typing import Literal
 import msgspec
 
 from m27.common.config import Config
-from m27.common.errors import ConfigError
+from m27.common.errors import ConfigError, NotFoundError
 from m27.common.events import EnqueueTask
 from m27.common.model import GpuSample, NodeInfo
 from m27.scheduler.model import (
@@ -32,7 +32,7 @@ from m27.scheduler.model import (
 MaintenanceState = Literal["cordoned", "draining"]
 
 
-class UnknownNode(LookupError):
+class UnknownNode(NotFoundError):
     """Maintenance asked for a node that never registered."""
 
 
