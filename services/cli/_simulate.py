@@ -19,12 +19,14 @@ from m27.common.errors import M27Error
 from m27.sim import (
     POLICY_HELP,
     POLICY_NAMES,
+    LabParams,
     Metrics,
     RawRun,
     SimConfig,
     Trace,
     format_preemptions,
     format_table,
+    generate_lab,
     is_philly,
     jct_cdf_svg,
     make_nodes,
@@ -34,6 +36,7 @@ from m27.sim import (
     simulate,
     summarize,
     utilization_svg,
+    write_jsonl,
 )
 
 EPILOG: Final = """\
@@ -45,6 +48,7 @@ trace formats (docs/simulator.md): m27's JSONL (*.jsonl), an Alibaba openb pod l
 Philly job table (timestamp,duration,num_gpus,...; sample it with --start/--days).
 
 examples:
+  m27 simulate --generate lab --gpus 16 --hours 72 -o lab.jsonl   # write a lab trace
   m27 simulate --trace lab.jsonl --policy m27,by-hand,fifo --hours 72 --plots out/
   m27 simulate --trace philly.csv --policy fifo,tiresias --start 2017-10-09 --days 7 \\
       --nodes 16 --gpus-per-node 8 --format json
@@ -57,8 +61,18 @@ def add_commands(sub: Subparsers) -> None:
                  cmd_simulate)
     parser.epilog = EPILOG
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    parser.add_argument("--trace", type=Path, required=True, metavar="FILE",
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--trace", type=Path, metavar="FILE",
                         help="the trace to replay (.jsonl, openb pod list, Philly table)")
+    source.add_argument("--generate", choices=("lab",),
+                        help="write a generated trace instead of replaying one: `lab` is the "
+                        "lab workload (docs/simulator.md) on --gpus GPUs over --hours, "
+                        "seeded by --seed, to -o FILE")
+    parser.add_argument("--gpus", type=int, default=8, metavar="N",
+                        help="--generate: GPUs of the cluster (default 8; up to 8 on one "
+                        "node, more in nodes of 8)")
+    parser.add_argument("-o", "--output", type=Path, metavar="FILE",
+                        help="--generate: where to write the trace (.jsonl)")
     parser.add_argument("--policy", default="m27", metavar="NAME[,NAME...]",
                         help=f"policy or comma-separated policies ({', '.join(POLICY_NAMES)}); "
                         "default m27")
@@ -136,7 +150,32 @@ def write_plots(directory: Path, runs: list[tuple[Metrics, RawRun]]) -> None:
         raise M27Error(f"cannot write plots to {directory}: {exc.strerror or exc}") from None
 
 
+def generate(args: argparse.Namespace) -> int:
+    """`--generate lab`: write the lab workload as a JSONL trace."""
+    if args.output is None:
+        raise M27Error("--generate needs -o FILE (where to write the trace)")
+    if args.gpus < 1 or (args.gpus > 8 and args.gpus % 8):
+        raise M27Error(f"--gpus {args.gpus}: use 1–8 (one node) or a multiple of 8 "
+                       "(nodes of 8)")
+    hours = 72.0 if args.hours is None else args.hours
+    if hours <= 0:
+        raise M27Error("--hours must be positive")
+    nodes, per_node = (1, args.gpus) if args.gpus <= 8 else (args.gpus // 8, 8)
+    trace = generate_lab(LabParams(nodes=nodes, gpus_per_node=per_node, hours=hours,
+                                   seed=args.seed))
+    try:
+        write_jsonl(trace, args.output)
+    except OSError as exc:
+        raise M27Error(f"cannot write {args.output}: {exc.strerror or exc}") from None
+    print(f"wrote {args.output}: the lab workload, {len(trace.jobs)} jobs on {nodes} × "
+          f"{per_node} simulated GPUs over {hours:g} h (seed {args.seed}); replay it with "
+          f"m27 simulate --trace {args.output} --hours {hours:g}")
+    return 0
+
+
 def cmd_simulate(args: argparse.Namespace) -> int:
+    if args.generate:
+        return generate(args)
     policy_names(args)
     trace = load(args)
     if not trace.jobs:

@@ -113,3 +113,24 @@ def test_preemptions_by_kind_and_the_most_preempted_tasks_are_printed() -> None:
     (run,) = body["runs"]
     assert sum(run["preemptions_by_kind"].values()) == run["preemptions"]
     assert all(count >= 1 for _, count in run["most_preempted"])
+
+
+def test_generate_writes_the_lab_trace_a_replay_reads(tmp_path: Path) -> None:
+    out = tmp_path / "lab16.jsonl"
+    made = simulate("--generate", "lab", "--gpus", "16", "--hours", "12", "--seed", "2",
+                    "-o", str(out))
+    assert made.returncode == 0, made.stderr
+    assert f"wrote {out}: the lab workload" in made.stdout
+    assert "on 2 × 8 simulated GPUs over 12 h" in made.stdout
+    expected = generate_lab(LabParams(nodes=2, gpus_per_node=8, hours=12.0, seed=2))
+    assert len(out.read_text().splitlines()) == 1 + len(expected.jobs)  # cluster + jobs
+    replay = simulate("--trace", str(out), "--policy", "fifo", "--hours", "12",
+                      "--format", "json")
+    assert replay.returncode == 0, replay.stderr
+    assert json.loads(replay.stdout)["jobs"] == len(expected.jobs)
+    for args, error in ((["--gpus", "12", "-o", str(out)], "--gpus 12: use 1–8"),
+                        (["--gpus", "2"], "--generate needs -o FILE")):
+        bad = simulate("--generate", "lab", *args)
+        assert bad.returncode == 1
+        assert bad.stderr.startswith("m27: ")
+        assert error in bad.stderr
