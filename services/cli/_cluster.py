@@ -11,6 +11,7 @@ import argparse
 import asyncio
 import contextlib
 import os
+import shutil
 import sys
 import time
 from collections.abc import Mapping, Sequence
@@ -18,7 +19,7 @@ from typing import BinaryIO, Final, TextIO
 
 import msgspec
 
-from m27.cli._common import Subparsers, add, print_json, with_client
+from m27.cli._common import Subparsers, add, fit, print_json, with_client
 from m27.client import Client, ClientError, GpuStatus, LogChunk, NodeStatus, TaskShare
 from m27.common.errors import M27Error
 from m27.common.units import format_duration, parse_duration, parse_size
@@ -146,9 +147,12 @@ def top_frame(nodes: Sequence[NodeStatus], now: float, interval_s: float) -> lis
     return [top_header(nodes, now, interval_s), "", *render_nodes(nodes)]
 
 
-def redraw(lines: Sequence[str]) -> str:
-    """What redraws a frame in place on a terminal, whatever the last frame's length."""
-    return HOME + "".join(line + ERASE_LINE_END + "\n" for line in lines) + ERASE_BELOW
+def redraw(lines: Sequence[str], width: int | None = None) -> str:
+    """What redraws a frame in place on a terminal, whatever the last frame's length; each
+    line cut to the terminal's width (a wrapped line would push the frame down)."""
+    cols = max(10, (width or shutil.get_terminal_size().columns) - 1)
+    return HOME + "".join(fit(line, cols) + ERASE_LINE_END + "\n" for line in lines) + (
+        ERASE_BELOW)
 
 
 def destination(chunk: LogChunk, asked: str) -> str:

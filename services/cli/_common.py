@@ -130,3 +130,9 @@ def print_json(data: Any) -> None:
 
 def when(ts: float | None) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts)) if ts else "—"
+
+
+def fit(line: str, width: int) -> str:
+    """`line` cut to `width` columns (with "…"): a line the terminal wraps takes two rows,
+    and a redraw that counts lines would leave the extra one stale."""
+    return line if len(line) <= width else line[:max(0, width - 1)] + "…"

@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import shutil
 import sys
 import time
+from collections.abc import Callable
 from typing import Final, TextIO
 
 from msgspec.structs import replace
 
+from m27.cli._common import fit
 from m27.client import Client, ClientError, RunEvent
 from m27.common.model import TERMINAL_RUN_STATES, RunRecord, StepRecord, StepState
 from m27.common.units import format_duration
@@ -87,17 +90,20 @@ def render_event_line(event: RunEvent) -> str | None:
 
 
 class _Screen:
-    """Redraws a block of lines in place on a terminal."""
+    """Redraws a block of lines in place on a terminal, each cut to the terminal's width."""
 
-    def __init__(self, out: TextIO) -> None:
+    def __init__(self, out: TextIO, width: Callable[[], int] | None = None) -> None:
         self.out = out
         self.drawn = 0
+        self.width = width or (lambda: shutil.get_terminal_size().columns)
 
     def draw(self, lines: list[str]) -> None:
+        width = max(10, self.width() - 1)
         if self.drawn:
             self.out.write(f"\x1b[{self.drawn}F")
         for line in lines:
-            self.out.write("\x1b[2K" + line + "\n")
+            self.out.write("\x1b[2K" + fit(line, width) + "\n")
+        self.out.write("\x1b[J")  # rows a longer frame drew before
         self.out.flush()
         self.drawn = len(lines)
 

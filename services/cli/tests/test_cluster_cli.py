@@ -79,6 +79,8 @@ def test_a_redraw_goes_home_and_erases_what_a_longer_frame_left() -> None:
     assert text.startswith(HOME)
     assert text.endswith(ERASE_BELOW)
     assert text.count("\n") == 2
+    wide = redraw(["z" * 200], width=41)
+    assert wide == HOME + "z" * 39 + "…" + "\x1b[K\n" + ERASE_BELOW  # one row
 
 
 @pytest.mark.parametrize(("stream", "asked", "goes_to"), [

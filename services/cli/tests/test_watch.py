@@ -61,10 +61,22 @@ def test_event_lines_for_logs() -> None:
 
 def test_the_screen_redraws_in_place() -> None:
     out = io.StringIO()
-    screen = _Screen(out)
+    screen = _Screen(out, width=lambda: 80)
     screen.draw(["a", "b"])
     screen.draw(["c", "d"])
-    assert out.getvalue() == "\x1b[2Ka\n\x1b[2Kb\n\x1b[2F\x1b[2Kc\n\x1b[2Kd\n"
+    assert out.getvalue() == ("\x1b[2Ka\n\x1b[2Kb\n\x1b[J"
+                              "\x1b[2F\x1b[2Kc\n\x1b[2Kd\n\x1b[J")
+
+
+def test_a_line_wider_than_the_terminal_is_cut_so_no_row_goes_stale() -> None:
+    out = io.StringIO()
+    screen = _Screen(out, width=lambda: 21)
+    screen.draw(["x" * 50, "short"])
+    screen.draw(["y"])
+    first, second, rest = out.getvalue().split("\n", 2)
+    assert first == "\x1b[2K" + "x" * 19 + "…"  # 20 columns: one row, not three
+    assert second == "\x1b[2Kshort"
+    assert rest == "\x1b[J\x1b[2F\x1b[2Ky\n\x1b[J"  # back 2 rows; the old second erased
 
 
 def test_exit_codes() -> None:
