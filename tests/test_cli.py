@@ -92,11 +92,15 @@ def test_the_whole_lifecycle_on_one_machine(m27: M27) -> None:
     assert not (m27.cwd / "pwned").exists()
 
     bad = m27.cwd / "bad.yaml"
-    bad.write_text("pipeline:\n  - name: a\n    command: exit 7\n  - name: b\n"
-                   "    depends_on: [a]\n    command: echo\n")
+    bad.write_text("pipeline:\n  - name: a\n    command: 'echo no input file >&2; exit 7'\n"
+                   "  - name: b\n    depends_on: [a]\n    command: echo\n")
     failing = m27("submit", str(bad), "--watch")
     assert failing.returncode == 1
     failed_id = failing.stdout.strip()
+    # the watch ends with what failed, the end of its stderr and where to look next
+    assert "step a failed (exit 7 on " in failing.stderr
+    assert "  its stderr ends with:\n    no input file\n" in failing.stderr
+    assert f"m27 logs {failed_id} a; every attempt: m27 show {failed_id}" in failing.stderr
     shown = json.loads(m27("show", failed_id, "--json").stdout)
     assert [(s["name"], s["state"], s["exit_code"]) for s in shown["steps"]] == [
         ("a", "failed", 7), ("b", "skipped", None)]

@@ -140,6 +140,9 @@ def cmd_submit(args: argparse.Namespace) -> int:
         if not args.watch:
             return 0
         run = await _watch.watch(client, run_id, out=sys.stderr)
+        failed = _watch.outcome_lines(run)[:-1]  # the run's state is on the watch already
+        if failed:
+            print("\n".join(failed), file=sys.stderr)
         return _watch.exit_code_for(run)
 
     return with_client(args, work)
@@ -148,7 +151,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
 def cmd_watch(args: argparse.Namespace) -> int:
     async def work(client: Client) -> int:
         run = await _watch.watch(client, args.run_id)
-        _watch.print_outcome(run.state, run.report_path)
+        _watch.print_outcome(run, run.report_path)
         return _watch.exit_code_for(run)
 
     return with_client(args, work)
@@ -255,7 +258,7 @@ def cmd_retry(args: argparse.Namespace) -> int:
         if not args.watch:
             return 0
         run = await _watch.watch(client, args.run_id)
-        _watch.print_outcome(run.state, run.report_path)
+        _watch.print_outcome(run, run.report_path)
         return _watch.exit_code_for(run)
 
     return with_client(args, work)

@@ -99,7 +99,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         print(f"demo run {run_id} (working in {workdir})", flush=True)
         run = await _watch.watch(client, run_id)
         report = run.report_path or await _wait_for_report(client, run_id)
-        _watch.print_outcome(run.state, report)
+        _watch.print_outcome(run, report)
         if not report:
             print("m27: the report service wrote no report in time; see `m27 status`",
                   file=sys.stderr)

@@ -168,8 +168,31 @@ class _View:
                 await self.ticker
 
 
-def print_outcome(state: str, report_path: str) -> None:
-    print(f"run {state}" + (f"; report: {report_path}" if report_path else ""))
+TAIL_LINES: Final = 10
+
+
+def outcome_lines(run: RunRecord, report_path: str = "") -> list[str]:
+    """How a watched run ended: its state and report, and for each failed step its exit,
+    the end of its stderr and where to look next."""
+    lines = []
+    for step in run.steps:
+        if step.state != "failed":
+            continue
+        code = f"exit {step.exit_code}" if step.exit_code is not None else "no exit code"
+        where = f" on {step.node_id}" if step.node_id else ""
+        lines.append(f"step {step.name} failed ({code}{where}, attempt {step.attempt})"
+                     + (f": {step.reason}" if step.reason else ""))
+        tail = step.stderr_tail.rstrip("\n").splitlines()[-TAIL_LINES:]
+        if tail:
+            lines.append("  its stderr ends with:")
+            lines += [f"    {line}" for line in tail]
+        lines.append(f"  all of its output: m27 logs {run.run_id} {step.name}; every "
+                     f"attempt: m27 show {run.run_id}")
+    return [*lines, f"run {run.state}" + (f"; report: {report_path}" if report_path else "")]
+
+
+def print_outcome(run: RunRecord, report_path: str) -> None:
+    print("\n".join(outcome_lines(run, report_path)))
 
 
 def exit_code_for(run: RunRecord) -> int:

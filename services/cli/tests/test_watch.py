@@ -86,3 +86,25 @@ def test_exit_codes() -> None:
     assert exit_code_for(replace(a_run(), state="failed")) == 1
     assert exit_code_for(replace(a_run(), state="cancelled")) == 3
     assert exit_code_for(a_run()) == 4
+
+
+def test_the_outcome_of_a_failed_run_shows_each_failed_steps_stderr_and_where_to_look() -> None:
+    from msgspec.structs import replace
+
+    from m27.cli._watch import outcome_lines
+
+    run = a_run()
+    failed = replace(run.steps[1], state="failed", exit_code=2, node_id="node-1", attempt=3,
+                     reason="exit code 2",
+                     stderr_tail="\n".join(f"line {i}" for i in range(15)) + "\n")
+    run = replace(run, state="failed", steps=(replace(run.steps[0], state="succeeded"),
+                                              failed))
+    lines = outcome_lines(run, "/r/report.html")
+    assert lines[0] == "step train failed (exit 2 on node-1, attempt 3): exit code 2"
+    assert lines[1] == "  its stderr ends with:"
+    assert lines[2:12] == [f"    line {i}" for i in range(5, 15)]  # the last 10 lines
+    assert lines[12] == (f"  all of its output: m27 logs {RUN} train; every attempt: "
+                         f"m27 show {RUN}")
+    assert lines[13] == "run failed; report: /r/report.html"
+    assert outcome_lines(replace(run, state="succeeded", steps=run.steps[:1])) == [
+        "run succeeded"]
