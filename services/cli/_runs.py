@@ -239,7 +239,7 @@ def _step_lines(step: StepRecord) -> list[str]:
     if step.outputs:
         lines.append(f"      outputs: {', '.join(step.outputs)}")
     if step.state == "failed" and step.stderr_tail:
-        lines.extend(f"      | {line}" for line in step.stderr_tail.rstrip().splitlines()[-10:])
+        lines.extend(f"      | {line}" for line in _watch.stderr_tail(step))
     return lines
 
 

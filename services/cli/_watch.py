@@ -171,6 +171,11 @@ class _View:
 TAIL_LINES: Final = 10
 
 
+def stderr_tail(step: StepRecord) -> list[str]:
+    """The last `TAIL_LINES` lines of a step's stderr (`m27 show`, a watch's outcome)."""
+    return step.stderr_tail.rstrip().splitlines()[-TAIL_LINES:]
+
+
 def outcome_lines(run: RunRecord, report_path: str = "") -> list[str]:
     """How a watched run ended: its state and report, and for each failed step its exit,
     the end of its stderr and where to look next."""
@@ -182,7 +187,7 @@ def outcome_lines(run: RunRecord, report_path: str = "") -> list[str]:
         where = f" on {step.node_id}" if step.node_id else ""
         lines.append(f"step {step.name} failed ({code}{where}, attempt {step.attempt})"
                      + (f": {step.reason}" if step.reason else ""))
-        tail = step.stderr_tail.rstrip("\n").splitlines()[-TAIL_LINES:]
+        tail = stderr_tail(step)
         if tail:
             lines.append("  its stderr ends with:")
             lines += [f"    {line}" for line in tail]
