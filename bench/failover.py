@@ -30,7 +30,7 @@ from typing import Any
 
 from m27.client import Client
 from m27.common import events, subjects
-from m27.common.bus import Bus
+from m27.common.bus import NatsBus
 from m27.embedded.processes import ServiceProcess, wait_ready
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -156,7 +156,7 @@ async def main_async(args: argparse.Namespace, root: Path) -> dict[str, Any]:
                   for n in ("a", "b")}
         wait_ready(list(agents.values()))
         trials = Trials(cluster, work, args.checkpoint_every)
-        bus = await Bus.open(cluster.nats_url, name="bench")
+        bus = await NatsBus.open(cluster.nats_url, name="bench")
         await bus.nc.subscribe(subjects.EVENTS_ALL, cb=trials.on_event)
         results = []
         async with Client(cluster.api) as client:

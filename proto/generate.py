@@ -1,4 +1,4 @@
-"""Generate the Python gRPC stubs in services/v1 (imported as m27.v1) from proto/m27/v1.
+"""Generate the Python gRPC stubs in services/m27/v1 (m27.v1) from proto/m27/v1.
 
 Run by `task proto`. With --out DIR it writes there instead, which the drift test uses
 to check that the committed stubs match the .proto files.
@@ -16,7 +16,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PROTO_ROOT = ROOT / "proto"
 PACKAGE_DIR = PROTO_ROOT / "m27" / "v1"
-DEFAULT_OUT = ROOT / "services" / "v1"
+DEFAULT_OUT = ROOT / "services" / "m27" / "v1"
 INIT_TEXT = '"""Generated gRPC/protobuf code for m27.v1 — do not edit; run `task proto`."""\n'
 
 

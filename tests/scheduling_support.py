@@ -15,7 +15,7 @@ from typing import Final, TypeVar
 from m27.client import Client
 from m27.client.scheduler import QueueItem, SchedulerClient
 from m27.common import subjects
-from m27.common.bus import Bus
+from m27.common.bus import NatsBus
 from m27.common.model import ServiceInfo, StepRecord
 from m27.embedded.processes import ServiceProcess, wait_ready
 from tests.support import Cluster, lines, service_log
@@ -132,7 +132,7 @@ def scheduler_log(cluster: Cluster) -> str:
 
 async def scheduler_metrics(cluster: Cluster) -> str:
     """A scrape of the scheduler's /metrics, found where it registered (KV m27_services)."""
-    bus = await Bus.open(cluster.nats_url, name="test-metrics")
+    bus = await NatsBus.open(cluster.nats_url, name="test-metrics")
     try:
         keys = [k for k in await bus.kv_keys(subjects.SERVICES_BUCKET)
                 if k.startswith("scheduler.")]

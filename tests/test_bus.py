@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 
+import msgspec
 import pytest
 from nats.aio.msg import Msg
 
 from m27.common import events, subjects
-from m27.common.bus import Bus, PoisonMessage, consume
+from m27.common.bus import Bus, NatsBus, PoisonMessage, consume
+from m27.common.memory_bus import MemoryBus
 from m27.common.model import ServiceInfo
 
 pytestmark = pytest.mark.integration
@@ -20,8 +22,8 @@ def info(name: str) -> ServiceInfo:
 
 
 async def test_topology_is_idempotent_and_keys_are_listed_by_pattern(nats_url: str) -> None:
-    first, second = await asyncio.gather(Bus.open(nats_url, name="a"),
-                                         Bus.open(nats_url, name="b"))
+    first, second = await asyncio.gather(NatsBus.open(nats_url, name="a"),
+                                         NatsBus.open(nats_url, name="b"))
     try:
         assert await first.kv_keys(subjects.SERVICES_BUCKET) == []
         for key in ("r1.a.x", "r1.a.y", "r1.b.x", "r2.a.x"):
@@ -40,7 +42,7 @@ async def test_topology_is_idempotent_and_keys_are_listed_by_pattern(nats_url: s
 
 async def test_consume_acks_after_success_retries_failures_and_drops_poison(
         nats_url: str) -> None:
-    bus = await Bus.open(nats_url, name="test")
+    bus = await NatsBus.open(nats_url, name="test")
     seen: list[str] = []
     failed_once: set[str] = set()
     stop = asyncio.Event()
@@ -75,10 +77,68 @@ async def test_consume_acks_after_success_retries_failures_and_drops_poison(
 
 
 async def test_a_message_id_is_stored_once(nats_url: str) -> None:
-    bus = await Bus.open(nats_url, name="test")
+    bus = await NatsBus.open(nats_url, name="test")
     event = events.NodeStopped(at=1, node_id="n")
     for _ in range(3):
         await bus.publish(subjects.node_events("n"), event, msg_id="same")
     stream = await bus.js.stream_info(subjects.EVENTS_STREAM)
     assert stream.state.messages == 1
     await bus.close()
+
+
+async def bus_script(bus: Bus) -> list[object]:
+    """What a service core does with a bus, with everything observable written down."""
+    seen: list[object] = []
+    bucket = subjects.SERVICES_BUCKET
+    for key in ("n1.a", "n1.b", "n2.a", "n2.b.c"):
+        await bus.kv_put(bucket, key, info(key))
+    seen.append(await bus.kv_keys(bucket))
+    for pattern in ("n1.*", "*.a", "n2.>", ">", "n3.*", "n2.b"):
+        seen.append((pattern, await bus.kv_keys(bucket, pattern)))
+    got = await bus.kv_get(bucket, "n1.a", ServiceInfo)
+    seen.append(None if got is None else got[0])
+    seen.append(await bus.kv_get(bucket, "missing", ServiceInfo))
+
+    def bump(current: ServiceInfo | None) -> ServiceInfo | None:
+        base = current or info("fresh")
+        return msgspec.structs.replace(base, pid=base.pid + 1)
+
+    updated: list[ServiceInfo | None] = [
+        await bus.kv_update(bucket, "n1.a", ServiceInfo, bump),
+        await bus.kv_update(bucket, "new", ServiceInfo, bump),  # created
+        await bus.kv_update(bucket, "new", ServiceInfo, lambda _: None)]  # left alone
+    seen.extend(updated)
+    await bus.kv_delete(bucket, "n1.b")
+    await bus.kv_delete(bucket, "never-there")
+    seen.append(await bus.kv_get(bucket, "n1.b", ServiceInfo))
+    seen.append([key for key in await bus.kv_keys(bucket, "n1.*")
+                 if await bus.kv_get(bucket, key, ServiceInfo) is not None])
+    return seen
+
+
+async def test_the_in_memory_bus_answers_as_a_real_one_does(nats_url: str) -> None:
+    """MemoryBus is the only fake of the bus in unit tests: the same script gives the same
+    answers on it as on a real JetStream (a deleted key may still be listed by NATS, so
+    keys are compared after kv_get says they exist)."""
+    real = await NatsBus.open(nats_url, name="contract")
+    try:
+        on_nats = await bus_script(real)
+    finally:
+        await real.close()
+    assert await bus_script(MemoryBus()) == on_nats
+
+
+async def test_the_in_memory_bus_records_publishes_and_fails_on_demand() -> None:
+    bus = MemoryBus()
+    stopped = events.NodeStopped(at=1, node_id="n1")
+    await bus.publish(subjects.node_events("n1"), stopped, msg_id="m1")
+    await bus.publish_core(subjects.node_events("n1"), stopped)
+    assert bus.kinds() == ["node_stopped"]
+    assert bus.of(events.NodeStopped) == [stopped]
+    assert bus.core == [(subjects.node_events("n1"), stopped)]
+    bus.fail_with = TimeoutError("nats: timeout")
+    with pytest.raises(TimeoutError):
+        await bus.publish(subjects.node_events("n1"), stopped)
+    with pytest.raises(TimeoutError):
+        await bus.kv_keys(subjects.SERVICES_BUCKET)
+    assert len(bus.published) == 1

@@ -23,7 +23,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from m27.checkpoint_store import KvManifestIndex
 from m27.client.checkpoints import CHANNEL_OPTIONS, CheckpointClient, RemoteStore
 from m27.common import events, subjects
-from m27.common.bus import Bus
+from m27.common.bus import NatsBus
 from m27.common.checkpoint_api import (
     CheckpointCorrupt,
     CheckpointNotFound,
@@ -164,7 +164,7 @@ async def test_a_flipped_byte_is_data_loss_and_latest_falls_back_with_an_event(
     `latest` hands out the previous checkpoint and publishes `checkpoint_corrupt`."""
     root = tmp_path / "ckpt"
     proc = start_service("checkpoint_store", "--root", str(root))
-    bus = await Bus.open(nats_url, name="test-checkpoint-events")
+    bus = await NatsBus.open(nats_url, name="test-checkpoint-events")
     seen: list[events.Event] = []
 
     async def on_event(msg: object) -> None:
@@ -246,7 +246,7 @@ async def test_stale_attempts_are_refused(start_service: StartService, tmp_path:
     """With the task's fence at attempt 2, attempt 1 can neither upload nor commit."""
     root = tmp_path / "ckpt"
     proc = start_service("checkpoint_store", "--root", str(root))
-    bus = await Bus.open(nats_url, name="test-fence")
+    bus = await NatsBus.open(nats_url, name="test-fence")
     try:
         await bus.kv_put(subjects.FENCES_BUCKET, subjects.task_key(TASK),
                          Fence(task_id=TASK, attempt=2, node_id="node-b", at=time.time()))
@@ -434,7 +434,7 @@ async def test_reflection_lists_the_service_and_health_is_serving(
 async def test_the_kv_index_lists_one_task_among_many(nats_url: str) -> None:
     """Listing filters on the server: other tasks and deleted manifests never show up, and
     more manifests than a watcher's queue holds (256) all arrive."""
-    bus = await Bus.open(nats_url, name="test-checkpoint-index")
+    bus = await NatsBus.open(nats_url, name="test-checkpoint-index")
     try:
         index = KvManifestIndex(bus)
 

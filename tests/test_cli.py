@@ -117,6 +117,28 @@ def test_the_whole_lifecycle_on_one_machine(m27: M27) -> None:
     assert not any(pid_alive(pid) for pid in pids)
     assert m27("status").returncode == 1
 
+    # the system is down: history is read from the JetStream data it stored
+    offline = m27("runs")
+    assert offline.returncode == 0, offline.stderr
+    assert run_id in offline.stdout
+    assert failed_id in offline.stdout
+    assert "m27 is not running: these are the runs stored under" in offline.stderr
+    assert [line.split()[2] for line in offline.stdout.splitlines()[1:3]] == [
+        "failed", "succeeded"]  # newest first, as the API lists them
+    only_failed = m27("runs", "--state", "failed", "--json")
+    assert [r["run_id"] for r in json.loads(only_failed.stdout)["runs"]] == [failed_id]
+    shown = json.loads(m27("show", failed_id, "--json").stdout)
+    assert [(s["name"], s["state"], s["exit_code"]) for s in shown["steps"]] == [
+        ("a", "failed", 7), ("b", "skipped", None)]
+    unknown = m27("show", "r-20200101-000000-abcdef")
+    assert unknown.returncode == 1
+    assert "no run 'r-20200101-000000-abcdef'" in unknown.stderr
+    assert "Traceback" not in unknown.stderr
+    refused = m27("cancel", run_id)  # changing a run needs the system
+    assert refused.returncode == 1
+    assert "m27 up" in refused.stderr
+    assert m27("status").returncode == 1  # reading history started nothing that stays
+
 
 def test_cancel_from_the_command_line(m27: M27) -> None:
     assert m27("up").returncode == 0

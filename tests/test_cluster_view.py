@@ -20,7 +20,7 @@ import pytest
 
 from m27.client import Client, ClientError, LogChunk, NodeStatus
 from m27.common import subjects
-from m27.common.bus import Bus
+from m27.common.bus import NatsBus
 from m27.common.model import RunRecord, ServiceInfo
 from m27.v1 import cluster_pb2 as pb
 from m27.v1 import cluster_pb2_grpc as pb_grpc
@@ -102,7 +102,7 @@ async def test_each_node_agent_serves_its_own_logs(client: Client, cluster: Clus
     run_id = await client.submit("pipeline:\n  - {name: a, command: 'echo from the node'}\n",
                                  workdir=str(tmp_path))
     await until_state(client, run_id, "a", {"succeeded"})
-    bus = await Bus.open(cluster.nats_url, name="test-cluster-view")
+    bus = await NatsBus.open(cluster.nats_url, name="test-cluster-view")
     try:
         got = await bus.kv_get(subjects.SERVICES_BUCKET, AGENT_KEY, ServiceInfo)
     finally:
@@ -164,7 +164,7 @@ async def test_unknown_runs_and_steps_are_not_found(client: Client, cluster: Clu
 @asynccontextmanager
 async def agent_address_replaced(cluster: Cluster, address: str) -> AsyncIterator[None]:
     """node-1's agent as if it were gone: its registration points nowhere for a while."""
-    bus = await Bus.open(cluster.nats_url, name="test-cluster-view")
+    bus = await NatsBus.open(cluster.nats_url, name="test-cluster-view")
     try:
         got = await bus.kv_get(subjects.SERVICES_BUCKET, AGENT_KEY, ServiceInfo)
         assert got is not None

@@ -21,7 +21,7 @@ import pytest
 from m27.client import Client
 from m27.client.checkpoints import CheckpointClient
 from m27.common import events, subjects
-from m27.common.bus import Bus
+from m27.common.bus import NatsBus
 from m27.common.model import StepRecord
 from m27.embedded.nats_server import pid_alive
 from m27.embedded.processes import ServiceProcess, wait_ready
@@ -196,7 +196,7 @@ async def test_a_two_second_stall_is_not_a_failure(system: Cluster, client: Clie
                                                    work: Path) -> None:
     agent = start_agent(system, "a")
     start_agent(system, "b")
-    bus = await Bus.open(system.nats_url, name="test")
+    bus = await NatsBus.open(system.nats_url, name="test")
     lost: list[str] = []
 
     async def on_node_event(msg: object) -> None:

@@ -20,7 +20,7 @@ import pytest
 from nats.aio.msg import Msg
 
 from m27.common import events, subjects
-from m27.common.bus import Bus
+from m27.common.bus import NatsBus
 from m27.common.ids import new_run_id, task_id
 from m27.common.model import Fence, NodeInfo
 from m27.embedded.nats_server import pid_alive
@@ -68,14 +68,14 @@ class Watch:
 
 
 @pytest.fixture
-async def bus(nats_url: str) -> AsyncIterator[Bus]:
-    bus = await Bus.open(nats_url, name="test")
+async def bus(nats_url: str) -> AsyncIterator[NatsBus]:
+    bus = await NatsBus.open(nats_url, name="test")
     yield bus
     await bus.close()
 
 
 @pytest.fixture
-async def watch(bus: Bus) -> Watch:
+async def watch(bus: NatsBus) -> Watch:
     watch = Watch()
     await bus.nc.subscribe(subjects.EVENTS_ALL, cb=watch.on_message)
     await bus.nc.subscribe(subjects.heartbeat(NODE), cb=watch.on_message)
@@ -101,14 +101,14 @@ def start_cmd(command: str = "true", *, run_id: str | None = None, step: str = "
     return events.StartTask(**fields)
 
 
-async def send(bus: Bus, command: events.NodeCommand, *, fence: bool = True) -> None:
+async def send(bus: NatsBus, command: events.NodeCommand, *, fence: bool = True) -> None:
     """Publish a command as the scheduler does: a start comes with its fencing token."""
     if isinstance(command, events.StartTask) and fence:
         await assign(bus, command.task_id, command.attempt, NODE)
     await bus.publish(subjects.node_commands(NODE), command)
 
 
-async def assign(bus: Bus, task: str, attempt: int, node: str) -> None:
+async def assign(bus: NatsBus, task: str, attempt: int, node: str) -> None:
     """As the scheduler assigns: the fencing token's attempt only grows."""
     def grow(current: Fence | None) -> Fence | None:
         if current is not None and current.attempt >= attempt:
@@ -146,7 +146,7 @@ def of(cmd: events.StartTask) -> Callable[[Any], bool]:
 # ---------------------------------------------------------------- registration and liveness
 
 
-async def test_registers_the_node_with_two_simulated_gpus(agent: ServiceProcess, bus: Bus,
+async def test_registers_the_node_with_two_simulated_gpus(agent: ServiceProcess, bus: NatsBus,
                                                           watch: Watch) -> None:
     registered = await watch.wait_for(events.NodeRegistered)
     assert registered.node_id == NODE
@@ -162,7 +162,7 @@ async def test_registers_the_node_with_two_simulated_gpus(agent: ServiceProcess,
 
 
 async def test_auto_without_an_nvidia_gpu_runs_cpu_only_and_says_so(
-        start_service: Any, bus: Bus, watch: Watch) -> None:
+        start_service: Any, bus: NatsBus, watch: Watch) -> None:
     proc = start_service("node_agent", "--node-id", NODE, "--gpus", "auto")
     registered = await watch.wait_for(events.NodeRegistered)
     if registered.backend == "nvml":
@@ -176,7 +176,7 @@ async def test_auto_without_an_nvidia_gpu_runs_cpu_only_and_says_so(
 
 
 async def test_heartbeats_arrive_every_interval_and_refresh_the_node_record(
-        agent: ServiceProcess, bus: Bus, watch: Watch) -> None:
+        agent: ServiceProcess, bus: NatsBus, watch: Watch) -> None:
     first = await watch.wait_for(events.NodeHeartbeat)
     second = await watch.wait_for(events.NodeHeartbeat, lambda h: h.at > first.at)
     assert 0.5 < second.at - first.at < 3.0
@@ -191,7 +191,7 @@ async def test_heartbeats_arrive_every_interval_and_refresh_the_node_record(
 BUSY = '"$M27_PYTHON" -c "while True: pass"'
 
 
-async def test_simulated_gpus_show_what_their_tasks_do(agent: ServiceProcess, bus: Bus,
+async def test_simulated_gpus_show_what_their_tasks_do(agent: ServiceProcess, bus: NatsBus,
                                                        watch: Watch) -> None:
     """A busy task's share shows as utilization, a sleeping one's as idle; memory is the
     task's resident memory — all marked simulated."""
@@ -222,7 +222,7 @@ async def test_simulated_gpus_show_what_their_tasks_do(agent: ServiceProcess, bu
     await watch.wait_for(events.NodeHeartbeat, lambda h: h.at > beat.at and not h.running)
 
 
-async def test_a_reported_io_phase_is_idle_at_once(agent: ServiceProcess, bus: Bus,
+async def test_a_reported_io_phase_is_idle_at_once(agent: ServiceProcess, bus: NatsBus,
                                                    watch: Watch) -> None:
     cmd = start_cmd('"$M27_PYTHON" -c "import m27.train, time; m27.train.report_phase('
                     "'io'); time.sleep(300)\"", step_type="gpu_light", gpu_ids=(0,),
@@ -235,7 +235,7 @@ async def test_a_reported_io_phase_is_idle_at_once(agent: ServiceProcess, bus: B
     await watch.wait_for(events.TaskExited, of(cmd))
 
 
-async def test_metrics_use_the_dcgm_exporter_names(agent: ServiceProcess, bus: Bus,
+async def test_metrics_use_the_dcgm_exporter_names(agent: ServiceProcess, bus: NatsBus,
                                                    watch: Watch) -> None:
     import urllib.request
 
@@ -253,7 +253,7 @@ async def test_metrics_use_the_dcgm_exporter_names(agent: ServiceProcess, bus: B
 
 
 async def test_a_task_over_its_gpu_memory_share_is_warned_then_stopped(
-        start_service: Any, bus: Bus, watch: Watch) -> None:
+        start_service: Any, bus: NatsBus, watch: Watch) -> None:
     start_service("node_agent", "--node-id", NODE, "--gpus", "sim:1x256MiB",
                   "--heartbeat-interval", "1s")
     hog = start_cmd('"$M27_PYTHON" -c "import time; x = bytearray(150 << 20); '
@@ -274,7 +274,7 @@ async def test_a_task_over_its_gpu_memory_share_is_warned_then_stopped(
 
 
 async def test_a_failing_step_reports_its_exit_code_and_stderr_tail(
-        agent: ServiceProcess, bus: Bus, watch: Watch) -> None:
+        agent: ServiceProcess, bus: NatsBus, watch: Watch) -> None:
     cmd = start_cmd("echo hi; echo oops >&2; exit 3")
     await send(bus, cmd)
     started = await watch.wait_for(events.TaskStarted, of(cmd))
@@ -292,7 +292,7 @@ async def test_a_failing_step_reports_its_exit_code_and_stderr_tail(
 
 
 async def test_the_step_gets_its_placement_in_its_environment(
-        agent: ServiceProcess, bus: Bus, watch: Watch, m27_home: Path) -> None:
+        agent: ServiceProcess, bus: NatsBus, watch: Watch, m27_home: Path) -> None:
     line = 'echo "$M27_TASK_ID $CUDA_VISIBLE_DEVICES $M27_GPU_BACKEND $M27_GPU_SHARE" > env.txt'
     gpu = start_cmd(line, step="train", step_type="gpu", gpu_ids=(1,), gpu_share=1.0,
                     env={"SEED": "7"}, checkpoint_interval_s=300.0)
@@ -315,7 +315,7 @@ async def test_the_step_gets_its_placement_in_its_environment(
 
 
 async def test_a_hostile_command_string_is_run_by_sh_exactly_as_given(
-        agent: ServiceProcess, bus: Bus, watch: Watch, m27_home: Path, tmp_path: Path) -> None:
+        agent: ServiceProcess, bus: NatsBus, watch: Watch, m27_home: Path, tmp_path: Path) -> None:
     hostile = ("printf '%s|' \"$(echo sub)\" '$M27_STEP' \"`echo tick`\" ';rm -rf /;' "
                "'\"quoted\"' 'back\\slash' ünïcødé  $((6*7)) > out.txt\n"
                "echo 'second line' >> out.txt; # trailing comment ' \"")
@@ -338,7 +338,7 @@ async def test_a_hostile_command_string_is_run_by_sh_exactly_as_given(
     ({"gpu_ids": (5,), "step_type": "gpu"}, "GPU 5 not on this node"),
 ])
 async def test_a_step_that_cannot_start_is_reported_not_started(
-        agent: ServiceProcess, bus: Bus, watch: Watch, changes: dict[str, Any],
+        agent: ServiceProcess, bus: NatsBus, watch: Watch, changes: dict[str, Any],
         why: str) -> None:
     cmd = start_cmd(**{"command": "true", **changes})
     await send(bus, cmd)
@@ -353,7 +353,7 @@ async def test_a_step_that_cannot_start_is_reported_not_started(
 
 
 async def test_stop_task_kills_the_whole_process_group(
-        agent: ServiceProcess, bus: Bus, watch: Watch, m27_home: Path) -> None:
+        agent: ServiceProcess, bus: NatsBus, watch: Watch, m27_home: Path) -> None:
     cmd = start_cmd("sleep 300 & echo $! > child.pid; sleep 300")
     await send(bus, cmd)
     started = await watch.wait_for(events.TaskStarted, of(cmd))
@@ -370,7 +370,7 @@ async def test_stop_task_kills_the_whole_process_group(
 
 
 async def test_a_group_that_ignores_sigterm_is_killed_after_the_grace(
-        agent: ServiceProcess, bus: Bus, watch: Watch, m27_home: Path) -> None:
+        agent: ServiceProcess, bus: NatsBus, watch: Watch, m27_home: Path) -> None:
     cmd = start_cmd("trap '' TERM; sleep 300 & echo $! > child.pid; wait")
     await send(bus, cmd)
     started = await watch.wait_for(events.TaskStarted, of(cmd))
@@ -394,7 +394,7 @@ CHECKPOINTS_ON_SIGTERM = (
 
 
 async def test_a_program_that_outlives_its_shell_gets_the_whole_grace_to_checkpoint(
-        agent: ServiceProcess, bus: Bus, watch: Watch, m27_home: Path) -> None:
+        agent: ServiceProcess, bus: NatsBus, watch: Watch, m27_home: Path) -> None:
     """The shell dies of SIGTERM at once; the program it started takes a second to write
     its checkpoint. The grace period is the group's, so it is not SIGKILLed meanwhile."""
     cmd = start_cmd(CHECKPOINTS_ON_SIGTERM)
@@ -411,7 +411,7 @@ async def test_a_program_that_outlives_its_shell_gets_the_whole_grace_to_checkpo
 
 
 async def test_what_a_step_leaves_behind_is_killed_when_it_exits(
-        agent: ServiceProcess, bus: Bus, watch: Watch, m27_home: Path) -> None:
+        agent: ServiceProcess, bus: NatsBus, watch: Watch, m27_home: Path) -> None:
     cmd = start_cmd("sleep 300 & echo $! > child.pid; exit 0")
     await send(bus, cmd)
     exited = await watch.wait_for(events.TaskExited, of(cmd))
@@ -420,7 +420,7 @@ async def test_what_a_step_leaves_behind_is_killed_when_it_exits(
     await wait_dead(child, timeout=2)
 
 
-async def test_stopping_an_unknown_task_is_harmless(agent: ServiceProcess, bus: Bus,
+async def test_stopping_an_unknown_task_is_harmless(agent: ServiceProcess, bus: NatsBus,
                                                    watch: Watch) -> None:
     await send(bus, events.StopTask(at=time.time(), task_id="r-x/none", attempt=1))
     cmd = start_cmd("true")
@@ -433,7 +433,7 @@ async def test_stopping_an_unknown_task_is_harmless(agent: ServiceProcess, bus: 
 
 
 async def test_a_step_that_outlives_its_timeout_is_stopped_with_cause_timeout(
-        agent: ServiceProcess, bus: Bus, watch: Watch, m27_home: Path) -> None:
+        agent: ServiceProcess, bus: NatsBus, watch: Watch, m27_home: Path) -> None:
     cmd = start_cmd("sleep 300 & echo $! > child.pid; sleep 300", timeout_s=1.0,
                     outputs=("never.txt",))
     await send(bus, cmd)
@@ -450,7 +450,7 @@ async def test_a_step_that_outlives_its_timeout_is_stopped_with_cause_timeout(
 
 
 async def test_a_step_that_ends_before_its_timeout_is_not_stopped_later(
-        agent: ServiceProcess, bus: Bus, watch: Watch) -> None:
+        agent: ServiceProcess, bus: NatsBus, watch: Watch) -> None:
     cmd = start_cmd("true", timeout_s=1.0)
     await send(bus, cmd)
     exited = await watch.wait_for(events.TaskExited, of(cmd))
@@ -467,7 +467,7 @@ async def test_a_step_that_ends_before_its_timeout_is_not_stopped_later(
 
 
 async def test_a_stop_before_the_timeout_keeps_cause_stopped(
-        agent: ServiceProcess, bus: Bus, watch: Watch) -> None:
+        agent: ServiceProcess, bus: NatsBus, watch: Watch) -> None:
     """The timeout fires during the stop's grace (the group ignores SIGTERM): it changes
     neither the cause nor the grace."""
     cmd = start_cmd("trap '' TERM; sleep 300 & wait", timeout_s=1.0)
@@ -487,7 +487,7 @@ async def test_a_stop_before_the_timeout_keeps_cause_stopped(
 
 
 async def test_outputs_that_a_successful_step_did_not_make_are_reported_missing(
-        agent: ServiceProcess, bus: Bus, watch: Watch) -> None:
+        agent: ServiceProcess, bus: NatsBus, watch: Watch) -> None:
     cmd = start_cmd("echo x > made.txt; mkdir dir_out",
                     outputs=("made.txt", "missing.txt", "dir_out"))
     await send(bus, cmd)
@@ -497,7 +497,7 @@ async def test_outputs_that_a_successful_step_did_not_make_are_reported_missing(
 
 
 async def test_outputs_are_looked_for_in_the_given_workdir_or_where_they_point(
-        agent: ServiceProcess, bus: Bus, watch: Watch, tmp_path: Path) -> None:
+        agent: ServiceProcess, bus: NatsBus, watch: Watch, tmp_path: Path) -> None:
     work, elsewhere = tmp_path / "work", tmp_path / "elsewhere"
     work.mkdir()
     elsewhere.mkdir()
@@ -510,7 +510,7 @@ async def test_outputs_are_looked_for_in_the_given_workdir_or_where_they_point(
     assert exited.missing_outputs == ("rel-gone.txt", str(gone))
 
 
-async def test_a_failed_step_reports_no_missing_outputs(agent: ServiceProcess, bus: Bus,
+async def test_a_failed_step_reports_no_missing_outputs(agent: ServiceProcess, bus: NatsBus,
                                                         watch: Watch) -> None:
     cmd = start_cmd("touch made.txt; exit 3", outputs=("made.txt", "missing.txt"))
     await send(bus, cmd)
@@ -521,7 +521,7 @@ async def test_a_failed_step_reports_no_missing_outputs(agent: ServiceProcess, b
 # ---------------------------------------------------------------- at most once
 
 
-async def test_a_duplicate_start_runs_the_step_once(agent: ServiceProcess, bus: Bus,
+async def test_a_duplicate_start_runs_the_step_once(agent: ServiceProcess, bus: NatsBus,
                                                     watch: Watch, m27_home: Path) -> None:
     cmd = start_cmd("echo ran >> runs.txt")
     older = start_cmd("echo old >> runs.txt", run_id=cmd.run_id, attempt=0)
@@ -535,7 +535,7 @@ async def test_a_duplicate_start_runs_the_step_once(agent: ServiceProcess, bus: 
     assert not watch.all(events.TaskStarted, of(older))
 
 
-async def test_a_newer_attempt_replaces_one_still_running(agent: ServiceProcess, bus: Bus,
+async def test_a_newer_attempt_replaces_one_still_running(agent: ServiceProcess, bus: NatsBus,
                                                           watch: Watch) -> None:
     first = start_cmd("sleep 300")
     second = start_cmd("true", run_id=first.run_id, attempt=2)
@@ -553,7 +553,7 @@ async def test_a_newer_attempt_replaces_one_still_running(agent: ServiceProcess,
 
 
 async def test_sigterm_stops_running_tasks_then_reports_the_node_stopped(
-        agent: ServiceProcess, bus: Bus, watch: Watch) -> None:
+        agent: ServiceProcess, bus: NatsBus, watch: Watch) -> None:
     cmd = start_cmd("sleep 300")
     other = start_cmd("sleep 300", run_id=cmd.run_id, step="s2", timeout_s=300.0)
     for command in (cmd, other):
@@ -578,7 +578,7 @@ async def test_sigterm_stops_running_tasks_then_reports_the_node_stopped(
 
 
 async def test_a_restarted_agent_kills_and_reports_what_a_crashed_one_left_running(
-        start_service: Any, bus: Bus, watch: Watch, m27_home: Path) -> None:
+        start_service: Any, bus: NatsBus, watch: Watch, m27_home: Path) -> None:
     crashed = start_service("node_agent", *AGENT_ARGS, name="agent-1")
     cmd = start_cmd("sleep 300 & echo $! > child.pid; sleep 300")
     await send(bus, cmd)
@@ -628,7 +628,7 @@ async def ticks(path: Path) -> int:
 
 
 async def test_checkpoint_now_sends_the_steps_signal_and_pause_stops_the_clock(
-        agent: ServiceProcess, bus: Bus, watch: Watch, m27_home: Path) -> None:
+        agent: ServiceProcess, bus: NatsBus, watch: Watch, m27_home: Path) -> None:
     cmd = start_cmd(SIGNAL_COUNTER, checkpoint_signal="SIGHUP")
     await send(bus, cmd)
     await watch.wait_for(events.TaskStarted, of(cmd))
@@ -653,7 +653,7 @@ async def test_checkpoint_now_sends_the_steps_signal_and_pause_stops_the_clock(
 
 
 async def test_the_checkpoint_interval_becomes_periodic_requests(
-        agent: ServiceProcess, bus: Bus, watch: Watch, m27_home: Path) -> None:
+        agent: ServiceProcess, bus: NatsBus, watch: Watch, m27_home: Path) -> None:
     cmd = start_cmd(SIGNAL_COUNTER, checkpoint_interval_s=0.4)
     await send(bus, cmd)
     await watch.wait_for(events.TaskStarted, of(cmd))
@@ -670,7 +670,7 @@ async def test_the_checkpoint_interval_becomes_periodic_requests(
 
 
 async def test_a_step_with_checkpoint_signal_none_is_never_signalled(
-        agent: ServiceProcess, bus: Bus, watch: Watch, m27_home: Path) -> None:
+        agent: ServiceProcess, bus: NatsBus, watch: Watch, m27_home: Path) -> None:
     cmd = start_cmd(SIGNAL_COUNTER, checkpoint_interval_s=0.3, checkpoint_signal="none")
     await send(bus, cmd)
     await watch.wait_for(events.TaskStarted, of(cmd))
@@ -688,7 +688,7 @@ async def test_a_step_with_checkpoint_signal_none_is_never_signalled(
 
 
 async def test_multi_gpu_steps_get_nccl_defaults_and_shares_get_a_memory_fraction(
-        agent: ServiceProcess, bus: Bus, watch: Watch, m27_home: Path) -> None:
+        agent: ServiceProcess, bus: NatsBus, watch: Watch, m27_home: Path) -> None:
     both = start_cmd("env | grep -E '^(NCCL|TORCH_NCCL|M27_GPU_MEMORY_FRACTION|M27_PHASE)' "
                      "| sort > env.txt", step_type="gpu", gpu_ids=(0, 1), gpu_share=1.0,
                      env={"NCCL_DEBUG": "INFO"})
@@ -709,7 +709,7 @@ async def test_multi_gpu_steps_get_nccl_defaults_and_shares_get_a_memory_fractio
 
 
 async def test_a_start_without_its_fencing_token_is_not_run(
-        agent: ServiceProcess, bus: Bus, watch: Watch, m27_home: Path) -> None:
+        agent: ServiceProcess, bus: NatsBus, watch: Watch, m27_home: Path) -> None:
     unassigned = start_cmd("touch ran.txt")
     await send(bus, unassigned, fence=False)
     elsewhere = start_cmd("touch ran.txt", run_id=unassigned.run_id, step="elsewhere")
@@ -724,7 +724,7 @@ async def test_a_start_without_its_fencing_token_is_not_run(
 
 
 async def test_an_agent_kills_its_task_once_the_task_is_assigned_elsewhere(
-        agent: ServiceProcess, bus: Bus, watch: Watch, m27_home: Path) -> None:
+        agent: ServiceProcess, bus: NatsBus, watch: Watch, m27_home: Path) -> None:
     cmd = start_cmd("echo $$ > pid.txt; sleep 120")
     await send(bus, cmd)
     await watch.wait_for(events.TaskStarted, of(cmd))
@@ -737,7 +737,7 @@ async def test_an_agent_kills_its_task_once_the_task_is_assigned_elsewhere(
 
 
 async def test_gpu_memory_left_behind_by_an_ended_task_is_reported_and_cleaned(
-        agent: ServiceProcess, bus: Bus, watch: Watch, m27_home: Path) -> None:
+        agent: ServiceProcess, bus: NatsBus, watch: Watch, m27_home: Path) -> None:
     """A process that escaped its task's group (setsid) and still holds (simulated) GPU
     memory after the task ended is a leak: reported, and killed since it is provably ours."""
     cmd = start_cmd('setsid "$M27_PYTHON" -c "import time; x = bytearray(40 << 20); '

@@ -13,7 +13,7 @@ def test_committed_stubs_match_the_proto_files(tmp_path: Path) -> None:
     out = tmp_path / "v1"
     subprocess.run([sys.executable, str(ROOT / "proto" / "generate.py"), "--out", str(out)],
                    check=True, capture_output=True)
-    committed = ROOT / "services" / "v1"
+    committed = ROOT / "services" / "m27" / "v1"
     generated = {p.name: p.read_bytes() for p in out.iterdir()}
     existing = {p.name: p.read_bytes() for p in committed.iterdir() if p.is_file()}
     assert sorted(generated) == sorted(existing), "stub files differ: run `task proto`"

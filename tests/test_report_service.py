@@ -12,7 +12,7 @@ import pytest
 
 from m27.client import Client
 from m27.common import events, subjects
-from m27.common.bus import Bus
+from m27.common.bus import NatsBus
 from m27.embedded.processes import stop, wait_ready
 from tests.support import Cluster, service_log
 
@@ -69,7 +69,7 @@ async def test_a_report_is_written_once_the_api_is_back(system: Cluster) -> None
 
 
 async def test_an_unknown_run_is_acknowledged_not_retried(system: Cluster) -> None:
-    bus = await Bus.open(system.nats_url, name="test")
+    bus = await NatsBus.open(system.nats_url, name="test")
     ghost = "r-20000101-000000-0000aa"
     await bus.publish(subjects.run_state(ghost), events.RunStateChanged(
         at=time.time(), run_id=ghost, state="failed", previous="running"))

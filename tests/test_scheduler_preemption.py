@@ -18,7 +18,7 @@ import pytest
 
 from m27.client import Client
 from m27.common import events, subjects
-from m27.common.bus import Bus
+from m27.common.bus import NatsBus
 from m27.common.ids import task_id
 from m27.orchestrator import runs
 from m27.pipeline import load_pipeline
@@ -115,7 +115,7 @@ async def test_an_urgent_step_preempts_a_background_one_which_resumes_from_its_c
 async def checkpointed_attempt(system: Cluster, run_id: str, step: str) -> int:
     """Publish the store's `checkpoint_committed` for the step's current attempt; the
     attempt the orchestrator's stored run then records as checkpointed."""
-    bus = await Bus.open(system.nats_url, name="test-checkpoint")
+    bus = await NatsBus.open(system.nats_url, name="test-checkpoint")
     try:
         got = await bus.kv_get(subjects.RUNS_BUCKET, run_id, runs.StoredRun)
         assert got is not None

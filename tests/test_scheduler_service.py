@@ -12,7 +12,7 @@ import pytest
 
 from m27.client import Client
 from m27.common import events, subjects
-from m27.common.bus import Bus
+from m27.common.bus import NatsBus
 from m27.common.model import GpuInfo, NodeInfo
 from m27.embedded.processes import wait_ready
 from tests.support import Cluster
@@ -90,7 +90,7 @@ async def test_a_task_placed_on_a_node_that_stopped_before_starting_it_runs_else
     on a live node. (The test plays the departed agent: it writes the records one leaves.)"""
     cluster = Cluster(tmp_path, nodes=0)
     cluster.start()
-    bus = await Bus.open(cluster.nats_url, name="test")
+    bus = await NatsBus.open(cluster.nats_url, name="test")
     try:
         now = time.time()
         gpu = GpuInfo(index=0, name="sim", uuid="GPU-gone-0", memory_total_mb=16000,

@@ -1,0 +1,177 @@
+"""The manifest index: which checkpoints exist. A checkpoint exists exactly when its manifest
+is here.
+
+Production keeps manifests in the NATS KV bucket `subjects.CHECKPOINTS_BUCKET` under
+`<run_id>.<step>.<checkpoint_id>` (JSON of `Manifest`; JetStream fsyncs it);
+`MemoryManifestIndex` is the same contract in a dict, for unit tests and in-process use.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Iterator
+from typing import Final, Protocol
+
+import msgspec
+import nats.errors
+import nats.js.errors
+from nats.js.kv import KeyValue
+
+from m27.checkpoint_store._ids import CheckpointRef, ref_from_key, shown, task_prefix
+from m27.common import subjects
+from m27.common.bus import NatsBus
+from m27.common.checkpoint_api import CheckpointCorrupt, StorageUnavailable
+from m27.common.checkpoint_format import Manifest
+from m27.common.errors import BusError
+from m27.common.logging import get_logger
+
+log = get_logger()
+
+_DECODER: Final = msgspec.json.Decoder(Manifest)
+_DECODE_ERRORS: Final = (msgspec.DecodeError, msgspec.ValidationError)
+_GET_BATCH: Final = 64
+ALL_KEYS: Final = ">"
+
+
+class ManifestIndex(Protocol):
+    async def put(self, manifest: Manifest) -> None:
+        """Commit the manifest durably; after this the checkpoint is visible."""
+
+    async def get(self, ref: CheckpointRef) -> Manifest | None: ...
+
+    async def list(self, pattern: str, *, strict: bool = False) -> list[Manifest]:
+        """Manifests whose keys match a NATS pattern (`task_prefix(...) + "*"`,
+        `run_pattern(...)`, `ALL_KEYS`), in no particular order. An unreadable one is
+        skipped (logged), or with `strict` raises CheckpointCorrupt: garbage collection
+        must not sweep chunks because a manifest could not be read."""
+
+    async def delete(self, ref: CheckpointRef) -> None:
+        """Remove the manifest; harmless when there is none."""
+
+
+def task_pattern(run_id: str, step: str) -> str:
+    return f"{task_prefix(run_id, step)}*"
+
+
+def ref_of(manifest: Manifest) -> CheckpointRef:
+    run_id, _, step = manifest.task_id.partition("/")
+    return CheckpointRef(run_id, step, manifest.checkpoint_id)
+
+
+def decode_stored(key: str, value: bytes) -> Manifest:
+    """A stored manifest, which must describe the key it is stored under."""
+    ref = ref_from_key(key)
+    try:
+        manifest = _DECODER.decode(value)
+    except _DECODE_ERRORS as exc:
+        raise CheckpointCorrupt(f"the manifest stored as {shown(key)} is unreadable: {exc}") \
+            from None
+    if ref is None or ref_of(manifest) != ref:
+        raise CheckpointCorrupt(
+            f"the manifest stored as {shown(key)} describes {shown(manifest.task_id)} "
+            f"{shown(manifest.checkpoint_id)}")
+    return manifest
+
+
+def _accept(key: str, value: bytes | None, *, strict: bool) -> Manifest | None:
+    if value is None:
+        return None
+    try:
+        return decode_stored(key, value)
+    except CheckpointCorrupt as exc:
+        if strict:
+            raise
+        log.warning("checkpoint.manifest_unreadable", key=key, error=str(exc))
+        return None
+
+
+@contextlib.contextmanager
+def nats_errors(action: str) -> Iterator[None]:
+    """A NATS failure as StorageUnavailable: the client may retry later."""
+    try:
+        yield
+    except (nats.errors.Error, BusError, TimeoutError, ConnectionError) as exc:
+        reason = str(exc) or type(exc).__name__
+        raise StorageUnavailable(f"cannot {action}: NATS KV: {reason}") from exc
+
+
+class KvManifestIndex:
+    """Manifests in the checkpoints KV bucket."""
+
+    def __init__(self, bus: NatsBus, bucket: str = subjects.CHECKPOINTS_BUCKET) -> None:
+        self._bus = bus
+        self._bucket = bucket
+
+    async def put(self, manifest: Manifest) -> None:
+        with nats_errors("commit a checkpoint manifest"):
+            await self._bus.kv_put(self._bucket, ref_of(manifest).key, manifest)
+
+    async def get(self, ref: CheckpointRef) -> Manifest | None:
+        with nats_errors("read a checkpoint manifest"):
+            kv = await self._bus.kv(self._bucket)
+            try:
+                entry = await kv.get(ref.key)
+            except nats.js.errors.KeyNotFoundError:
+                return None
+        return None if entry.value is None else decode_stored(ref.key, entry.value)
+
+    async def list(self, pattern: str, *, strict: bool = False) -> list[Manifest]:
+        """The server filters the keys, so other tasks cost nothing."""
+        found: list[Manifest] = []
+        with nats_errors("list checkpoint manifests"):
+            keys = await self._bus.kv_keys(self._bucket, pattern)
+            kv = await self._bus.kv(self._bucket)
+            for start in range(0, len(keys), _GET_BATCH):
+                batch = keys[start:start + _GET_BATCH]
+                values = await asyncio.gather(*(self._value(kv, key) for key in batch))
+                for key, value in zip(batch, values, strict=True):
+                    manifest = _accept(key, value, strict=strict)
+                    if manifest is not None:
+                        found.append(manifest)
+        return found
+
+    @staticmethod
+    async def _value(kv: KeyValue, key: str) -> bytes | None:
+        try:
+            entry = await kv.get(key)
+        except nats.js.errors.KeyNotFoundError:
+            return None  # deleted since it was listed
+        return entry.value
+
+    async def delete(self, ref: CheckpointRef) -> None:
+        with nats_errors("delete a checkpoint manifest"):
+            await self._bus.kv_delete(self._bucket, ref.key)
+
+
+def matches(pattern: str, key: str) -> bool:
+    """NATS subject matching of a key against `*` / `>` patterns."""
+    want, have = pattern.split("."), key.split(".")
+    for index, part in enumerate(want):
+        if part == ">":
+            return len(have) > index
+        if index >= len(have) or (part != "*" and part != have[index]):
+            return False
+    return len(want) == len(have)
+
+
+class MemoryManifestIndex:
+    """The same contract in memory (manifests kept as JSON, as in KV); not durable."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, bytes] = {}
+
+    async def put(self, manifest: Manifest) -> None:
+        self.values[ref_of(manifest).key] = msgspec.json.encode(manifest)
+
+    async def get(self, ref: CheckpointRef) -> Manifest | None:
+        value = self.values.get(ref.key)
+        return None if value is None else decode_stored(ref.key, value)
+
+    async def list(self, pattern: str, *, strict: bool = False) -> list[Manifest]:
+        found = [_accept(k, v, strict=strict) for k, v in list(self.values.items())
+                 if matches(pattern, k)]
+        return [manifest for manifest in found if manifest is not None]
+
+    async def delete(self, ref: CheckpointRef) -> None:
+        self.values.pop(ref.key, None)

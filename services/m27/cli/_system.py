@@ -1,0 +1,134 @@
+"""`m27 up`, `down`, `status` and `demo`: the embedded system on this machine."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from typing import Final
+
+from m27.cli import _watch
+from m27.cli._common import Subparsers, add, with_client
+from m27.client import Client
+from m27.embedded import system
+
+REPORT_WAIT_S: Final = 20.0
+
+
+def add_commands(sub: Subparsers) -> None:
+    up = add(sub, "up", "start nats-server and every service on this machine, in the "
+             "background, and return once all are ready", cmd_up)
+    up.add_argument("--nodes", type=int, default=1,
+                    help="node-agents to start (several let you try failover on one machine)")
+    up.add_argument("--gpus", metavar="SPEC",
+                    help="GPUs of each node-agent: auto (NVML), none, sim:N, sim:NxMEM "
+                    "(default: the real GPUs if NVML finds any, else sim:2 — simulated)")
+    add(sub, "down", "stop every process `m27 up` started (runs are kept)", cmd_down)
+    status = add(sub, "status", "show what runs on this machine", cmd_status)
+    status.add_argument("--json", action="store_true", help="machine-readable output")
+    demo = add(sub, "demo", "bring the system up if needed and run the bundled demo "
+               "pipeline (CPU prep → GPU training → GPU-light analysis) to a report", cmd_demo)
+    demo.add_argument("--epochs", type=int, default=15)
+    demo.add_argument("--down", action="store_true",
+                      help="stop the system afterwards if the demo started it (default: "
+                      "leave it running, to look at the run with m27 show, logs, queue)")
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    home = args.home
+    print(f"starting m27 under {home} …", file=sys.stderr, flush=True)
+    state, started = system.up(home, nodes=args.nodes, gpus=args.gpus)
+    print_up(state, started)
+    return 0
+
+
+def print_up(state: system.EmbeddedState, started: bool) -> None:
+    verb = "started" if started else "already running"
+    gpus = f"{state.gpus} (simulated GPUs: no NVIDIA GPU found)" if state.simulated_gpus \
+        else state.gpus
+    print(f"m27 {verb}: api {state.api}, nats {state.nats_url}, "
+          f"{sum(p.name.startswith('node-agent') for p in state.processes)} node(s), "
+          f"GPUs {gpus}")
+
+
+def cmd_down(args: argparse.Namespace) -> int:
+    state = system.down(args.home)
+    print("m27 stopped" if state else "m27 was not running")
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    state = system.read_state(args.home)
+    if state is None:
+        if args.json:
+            print(json.dumps({"up": False, "home": str(args.home), "processes": []}))
+        else:
+            print(f"m27 is not running (home {args.home}); start it with `m27 up`")
+        return 1
+    if args.json:
+        print(system.status_json(state))
+        return 0
+    print(f"m27 under {state.home}: api {state.api}, nats {state.nats_url}, GPUs {state.gpus}"
+          + (" (simulated)" if state.simulated_gpus else ""))
+    for row in system.statuses(state):
+        mark = "up  " if row.alive else "DOWN"
+        print(f"  {mark} {row.name:<18} pid {row.pid:<8} {row.grpc_address}")
+    from m27.cli._queue import maintenance_states
+
+    for node_id, held in sorted(maintenance_states(args).items()):
+        print(f"  node {node_id} is {held} (`m27 node uncordon {node_id}` returns it)")
+    return 0 if system.is_up(state) else 1
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from m27.demo import demo_pipeline
+
+    home = args.home
+    state, started = system.up(home)
+    print_up(state, started)
+    workdir = home / "demo" / time.strftime("%Y%m%d-%H%M%S")
+    workdir.mkdir(parents=True, exist_ok=True)
+    text, variables = demo_pipeline(epochs=args.epochs)
+
+    async def work(client: Client) -> int:
+        run_id = await client.submit(text, vars=variables, workdir=str(workdir),
+                                     source_name="m27-demo.yaml")
+        print(f"demo run {run_id} (working in {workdir})", flush=True)
+        run = await _watch.watch(client, run_id)
+        report = run.report_path or await _wait_for_report(client, run_id)
+        _watch.print_outcome(run, report)
+        if not report:
+            print("m27: the report service wrote no report in time; see `m27 status`",
+                  file=sys.stderr)
+            return 1
+        return _watch.exit_code_for(run)
+
+    args.api = state.api
+    try:
+        return with_client(args, work)
+    finally:
+        stopped = bool(args.down and started and system.down(home))
+        print(closing_note(state, started=started, stopped=stopped), file=sys.stderr)
+
+
+def closing_note(state: system.EmbeddedState, *, started: bool, stopped: bool) -> str:
+    """What the demo leaves running, and how to stop it."""
+    if stopped:
+        return "m27: stopped the system the demo started (--down)"
+    names = ", ".join(["nats-server", *(p.name for p in state.processes)])
+    why = "the demo started it" if started else "it was running before the demo"
+    return (f"m27 is still running under {state.home} ({why}): {names}. `m27 status` "
+            "shows it, `m27 down` stops it" + ("; `m27 demo --down` stops what the demo "
+                                              "started" if started else ""))
+
+
+async def _wait_for_report(client: Client, run_id: str) -> str:
+    deadline = time.monotonic() + REPORT_WAIT_S
+    while time.monotonic() < deadline:
+        run = await client.get_run(run_id)
+        if run.report_path:
+            return run.report_path
+        await asyncio.sleep(0.25)
+    return ""

@@ -1,0 +1,108 @@
+"""`m27 nodes`, `m27 top` and `m27 logs`: the lines they render and where output goes."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+
+from m27.cli import build_parser
+from m27.cli._cluster import (
+    backend_label,
+    destination,
+    gpu_line,
+    render_nodes,
+    top_frame,
+)
+from m27.cli._live import LiveView, lines
+from m27.cli.tests.terminal import screen
+from m27.client import GpuStatus, LogChunk, NodeStatus, TaskShare
+
+RUN = "r-20261201-000000-abcdef"
+
+
+def gpu(index: int, **changes: object) -> GpuStatus:
+    fields: dict[str, object] = {
+        "index": index, "name": "m27 simulated GPU", "uuid": f"SIM-{index}",
+        "simulated": True, "memory_total_mb": 16384, "memory_used_mb": 0,
+        "utilization_pct": 0.0, "temperature_c": 30.0,
+    }
+    fields.update(changes)
+    return GpuStatus(**fields)  # type: ignore[arg-type]
+
+
+BUSY = gpu(0, memory_used_mb=4096, utilization_pct=37.4, temperature_c=51.0, power_w=120.0,
+           power_limit_w=300.0, throttle=("thermal",),
+           holdings=(TaskShare(task_id=f"{RUN}/train", attempt=1, share=0.5),
+                     TaskShare(task_id=f"{RUN}/eval", attempt=2, share=0.3, paused=True)))
+NODE = NodeStatus(node_id="node-1", hostname="h", backend="simulated", state="up",
+                  heartbeat_age_s=0.4, cpu_slots=16, cpu_used=1, gpus=(BUSY, gpu(1)),
+                  cgroups=True)
+LOST = NodeStatus(node_id="gpu-box-02", hostname="g", backend="nvml", state="lost",
+                  heartbeat_age_s=42.0, cpu_slots=64, cpu_used=0)
+
+
+def test_nodes_show_state_backend_heartbeat_cpu_and_every_gpu() -> None:
+    assert render_nodes([NODE, LOST]) == [
+        "NODE        STATE     BACKEND                     HEARTBEAT    CPU",
+        "node-1      up        simulated (not real GPUs)   400ms ago    1/16     cgroups",
+        "    GPU     UTIL  MEMORY             TEMP  POWER       THROTTLE  TASKS",
+        f"    0 sim    37%  4.0/16.0 GiB       51°C  120/300 W   thermal   {RUN}/train#1 ×0.5, "
+        f"{RUN}/eval#2 ×0.3 paused",
+        "    1 sim     0%  0.0/16.0 GiB       30°C  —           —         —",
+        "gpu-box-02  LOST      nvml                        42s ago      0/64",
+    ]
+
+
+def test_simulated_gpus_are_labelled_as_such() -> None:
+    assert "not real" in backend_label("simulated")
+    assert backend_label("nvml") == "nvml"
+    real = gpu(3, simulated=False, power_w=250.0)
+    assert gpu_line(real).startswith("    3         0%")
+    assert "250 W" in gpu_line(real)
+
+
+def test_no_nodes_says_how_to_get_one() -> None:
+    assert render_nodes([]) == ["no nodes registered: start a node-agent (`m27 up` starts "
+                                "one)"]
+
+
+def test_a_top_frame_sums_up_the_cluster_above_the_table() -> None:
+    frame = top_frame([NODE, LOST], now=0.0, interval_s=2.0)
+    assert frame[0].startswith("m27 top  ")
+    assert frame[0].endswith("nodes 1/2 up  GPUs 1/2 busy  (every 2s, Ctrl-C quits)")
+    assert frame[1] == ""
+    assert frame[2:] == render_nodes([NODE, LOST])
+
+
+def test_top_frames_redrawn_live_fit_the_terminal_and_leave_no_stale_rows() -> None:
+    out = io.StringIO()
+    with LiveView(out, live=True, width=41) as view:
+        view.draw(lines(top_frame([NODE, LOST], now=0.0, interval_s=2.0)))
+        view.draw(lines(["z" * 200]))  # one wide row after a longer frame
+    assert screen(out.getvalue(), 41) == ["z" * 40 + "…"]
+
+
+@pytest.mark.parametrize(("stream", "asked", "goes_to"), [
+    ("stdout", "both", "stdout"), ("stderr", "both", "stderr"),
+    ("stderr", "stderr", "stdout"), ("stdout", "stdout", "stdout"),
+])
+def test_stderr_goes_to_stderr_only_when_both_are_shown(stream: str, asked: str,
+                                                        goes_to: str) -> None:
+    chunk = LogChunk(stream=stream, data=b"x", offset=0)  # type: ignore[arg-type]
+    assert destination(chunk, asked) == goes_to
+
+
+def test_logs_options() -> None:
+    args = build_parser().parse_args(["logs", RUN, "train", "-f", "--stderr", "--tail",
+                                      "64KiB", "--attempt", "2"])
+    assert (args.run_id, args.step, args.follow, args.stderr, args.stdout, args.tail,
+            args.attempt) == (RUN, "train", True, True, False, "64KiB", 2)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["logs", RUN, "train", "--stderr", "--stdout"])
+
+
+def test_top_and_nodes_options() -> None:
+    top = build_parser().parse_args(["top", "--interval", "500ms", "--once"])
+    assert (top.interval, top.once) == ("500ms", True)
+    assert build_parser().parse_args(["nodes", "--json"]).json

@@ -1,0 +1,355 @@
+"""NATS JetStream plumbing shared by the service shells: connect, topology, publish, consume.
+
+`Bus` is what a service's core needs of the bus (publish, KV); `NatsBus` is the one real
+implementation and `m27.common.memory_bus.MemoryBus` the one in-memory fake for unit tests.
+
+Connections override nats-py's defaults (120 s pings, giving up on reconnect): a dead server
+is noticed within ~15 s and reconnects never stop. Handlers are acked only after they return,
+that is after their effect is stored; a message that cannot be decoded is terminated, not
+redelivered forever.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import Awaitable, Callable
+from typing import Final, Protocol, TypeVar
+
+import msgspec
+import nats
+import nats.errors
+import nats.js.errors
+from nats.aio.client import Client as NatsClient
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+from nats.js.api import (
+    AckPolicy,
+    ConsumerConfig,
+    DeliverPolicy,
+    KeyValueConfig,
+    RetentionPolicy,
+    StorageType,
+    StreamConfig,
+)
+from nats.js.kv import KeyValue
+
+from m27.common import events, subjects
+from m27.common.errors import BusError, M27Error
+from m27.common.logging import get_logger
+
+log = get_logger()
+
+T = TypeVar("T")
+
+STREAM_NAME_IN_USE: Final = 10058
+PING_INTERVAL_S: Final = 5
+MAX_OUTSTANDING_PINGS: Final = 3
+RECONNECT_WAIT_S: Final = 0.5
+JS_TIMEOUT_S: Final = 10.0
+ACK_WAIT_S: Final = 5.0
+
+
+class PoisonMessage(M27Error):
+    """A message that can never be handled (undecodable); it is terminated, not retried."""
+
+
+async def connect(url: str, *, name: str, timeout: float = 10.0) -> NatsClient:
+    """Connect, retrying until `timeout`; BusError with the URL when NATS cannot be reached."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    last_error: BaseException | None = None
+    holder: list[NatsClient] = []
+
+    async def on_disconnected() -> None:
+        if holder and (holder[0].is_draining or holder[0].is_closed):
+            return  # our own close, not an outage
+        log.warning("nats.disconnected", url=url)
+
+    while loop.time() < deadline:
+        try:
+            # nats-py keeps retrying a first connection forever when reconnects never give
+            # up, so the deadline is enforced here.
+            nc = await asyncio.wait_for(nats.connect(
+                url,
+                name=name,
+                connect_timeout=2,
+                allow_reconnect=True,
+                max_reconnect_attempts=-1,
+                reconnect_time_wait=RECONNECT_WAIT_S,  # type: ignore[arg-type,unused-ignore]
+                ping_interval=PING_INTERVAL_S,
+                max_outstanding_pings=MAX_OUTSTANDING_PINGS,
+                error_cb=_on_error,
+                disconnected_cb=on_disconnected,
+                reconnected_cb=_on_reconnected,
+            ), timeout=max(0.5, deadline - loop.time()))
+            holder.append(nc)
+            return nc
+        except (TimeoutError, OSError, nats.errors.Error) as exc:
+            last_error = exc
+            await asyncio.sleep(0.25)
+    reason = str(last_error) or type(last_error).__name__
+    raise BusError(f"cannot reach NATS at {url} within {timeout:.0f}s ({reason}); is "
+                   "nats-server running there? (`m27 up` starts one)")
+
+
+async def _on_error(exc: Exception) -> None:
+    log.warning("nats.error", error=str(exc) or type(exc).__name__)
+
+
+async def _on_reconnected() -> None:
+    log.info("nats.reconnected")
+
+
+def stream_config(spec: subjects.StreamSpec, replicas: int) -> StreamConfig:
+    return StreamConfig(
+        name=spec.name,
+        description=spec.description,
+        subjects=list(spec.subjects),
+        retention=RetentionPolicy.WORK_QUEUE if spec.retention == "workqueue"
+        else RetentionPolicy.LIMITS,
+        storage=StorageType.FILE,
+        max_age=spec.max_age_s,
+        duplicate_window=spec.duplicate_window_s,
+        num_replicas=replicas,
+    )
+
+
+async def ensure_topology(js: JetStreamContext, replicas: int = 1) -> None:
+    """Create (or bring up to date) every stream and KV bucket; safe to run concurrently."""
+    for stream in subjects.STREAMS:
+        config = stream_config(stream, replicas)
+        try:
+            await js.add_stream(config)
+        except nats.js.errors.BadRequestError as exc:
+            if exc.err_code != STREAM_NAME_IN_USE:
+                raise
+            await js.update_stream(config)
+    for bucket in subjects.BUCKETS:
+        kv_config = KeyValueConfig(
+            bucket=bucket.name,
+            description=bucket.description,
+            history=bucket.history,
+            max_value_size=bucket.max_value_size,
+            storage=StorageType.FILE,
+            replicas=replicas,
+        )
+        try:
+            await js.create_key_value(kv_config)
+        except nats.js.errors.BadRequestError as exc:
+            if exc.err_code != STREAM_NAME_IN_USE:
+                raise
+
+
+class Bus(Protocol):
+    """What a service's core uses of the bus: stored and core publishes, and KV buckets.
+    Shells that consume streams or subscribe need the connection itself (`NatsBus`)."""
+
+    async def publish(self, subject: str, message: events.Message, *,
+                      msg_id: str | None = None) -> None: ...
+
+    async def publish_core(self, subject: str, message: events.Message) -> None: ...
+
+    async def kv_get(self, bucket: str, key: str, type_: type[T]) -> tuple[T, int] | None: ...
+
+    async def kv_keys(self, bucket: str, pattern: str = ">") -> list[str]: ...
+
+    async def kv_put(self, bucket: str, key: str, value: msgspec.Struct) -> int: ...
+
+    async def kv_update(self, bucket: str, key: str, type_: type[T],
+                        change: Callable[[T | None], T | None], attempts: int = 20
+                        ) -> T | None: ...
+
+    async def kv_delete(self, bucket: str, key: str) -> None: ...
+
+
+class NatsBus:
+    """One service's connection: JetStream publishing, KV buckets and core pub/sub."""
+
+    def __init__(self, nc: NatsClient) -> None:
+        self.nc = nc
+        self.js = nc.jetstream(timeout=JS_TIMEOUT_S)
+        self._buckets: dict[str, KeyValue] = {}
+
+    @classmethod
+    async def open(cls, url: str, *, name: str, timeout: float = 10.0,
+                   replicas: int = 1) -> NatsBus:
+        """Connect and make sure the streams and buckets exist."""
+        bus = cls(await connect(url, name=name, timeout=timeout))
+        try:
+            await ensure_topology(bus.js, replicas)
+        except (TimeoutError, nats.errors.Error) as exc:
+            await bus.close()
+            raise BusError(f"NATS at {url} has no usable JetStream: {exc}") from exc
+        return bus
+
+    async def publish(self, subject: str, message: events.Message, *,
+                      msg_id: str | None = None) -> None:
+        """Store a message in its stream; `msg_id` makes a re-publish a no-op (2 min window)."""
+        headers = {"Nats-Msg-Id": msg_id} if msg_id else None
+        await self.js.publish(subject, events.encode(message), headers=headers)
+
+    async def publish_core(self, subject: str, message: events.Message) -> None:
+        """Fire-and-forget on core NATS (heartbeats): not stored anywhere."""
+        await self.nc.publish(subject, events.encode(message))
+
+    async def kv(self, bucket: str) -> KeyValue:
+        if bucket not in self._buckets:
+            self._buckets[bucket] = await self.js.key_value(bucket)
+        return self._buckets[bucket]
+
+    async def kv_get(self, bucket: str, key: str, type_: type[T]) -> tuple[T, int] | None:
+        """The decoded value at `key` and its revision, or None when there is none."""
+        kv = await self.kv(bucket)
+        try:
+            entry = await kv.get(key)
+        except nats.js.errors.KeyNotFoundError:
+            return None
+        if entry.value is None or entry.revision is None:
+            return None
+        return msgspec.json.decode(entry.value, type=type_), entry.revision
+
+    async def kv_keys(self, bucket: str, pattern: str = ">") -> list[str]:
+        """Keys of `bucket` matching `pattern` (NATS wildcards, e.g. `r-1.train.*`), sorted.
+
+        Listed by the server from the bucket stream's subjects, not with nats-py's
+        `keys()`: that uses a watcher, which can report "no keys" before its first message
+        arrives. A deleted key may still appear (its tombstone): `kv_get` gives None for it.
+        """
+        prefix = f"$KV.{bucket}."
+        keys: list[str] = []
+        while True:
+            request = {"subjects_filter": prefix + pattern, "offset": len(keys)}
+            reply = await self.nc.request(f"$JS.API.STREAM.INFO.KV_{bucket}",
+                                          json.dumps(request).encode(), timeout=JS_TIMEOUT_S)
+            data = json.loads(reply.data)
+            if "error" in data:
+                raise BusError(f"cannot list keys of {bucket}: {data['error']}")
+            found = (data.get("state") or {}).get("subjects") or {}
+            keys.extend(subject[len(prefix):] for subject in found)
+            if not found or len(keys) >= int(data.get("total", 0)):
+                return sorted(keys)
+
+    async def kv_put(self, bucket: str, key: str, value: msgspec.Struct) -> int:
+        kv = await self.kv(bucket)
+        return await kv.put(key, msgspec.json.encode(value))
+
+    async def kv_update(self, bucket: str, key: str, type_: type[T],
+                        change: Callable[[T | None], T | None], attempts: int = 20) -> T | None:
+        """Compare-and-set: `change` gets the current value (None if there is none) and
+        returns the new one (None: leave it). Retried on a concurrent write; returns what
+        is stored afterwards."""
+        kv = await self.kv(bucket)
+        for _ in range(attempts):
+            got = await self.kv_get(bucket, key, type_)
+            current, revision = (got[0], got[1]) if got else (None, None)
+            new = change(current)
+            if new is None:
+                return current
+            data = msgspec.json.encode(new)
+            try:
+                if revision is None:
+                    await kv.create(key, data)
+                else:
+                    await kv.update(key, data, last=revision)
+            except nats.js.errors.KeyWrongLastSequenceError:
+                continue
+            return new
+        raise BusError(f"{bucket}/{key}: too many concurrent updates")
+
+    async def kv_delete(self, bucket: str, key: str) -> None:
+        kv = await self.kv(bucket)
+        with contextlib.suppress(nats.js.errors.KeyNotFoundError):
+            await kv.delete(key)
+
+    async def close(self) -> None:
+        with contextlib.suppress(Exception):
+            await self.nc.drain()
+        with contextlib.suppress(Exception):
+            await self.nc.close()
+
+
+Handler = Callable[[Msg], Awaitable[None]]
+
+
+async def consume(
+    js: JetStreamContext,
+    *,
+    stream: str,
+    durable: str,
+    filter_subject: str,
+    handle: Handler,
+    stop: asyncio.Event,
+    batch: int = 8,
+    ack_wait_s: float = ACK_WAIT_S,
+    deliver_new: bool = False,
+) -> None:
+    """Pull messages from a durable consumer until `stop` is set.
+
+    Each message is acked after `handle` returns; PoisonMessage terminates it; any other
+    exception is logged and the message redelivered after a second. The ack wait is short
+    (messages a crashed consumer had fetched come back within seconds); a handler that runs
+    longer keeps its message with in-progress acks.
+    """
+    config = ConsumerConfig(
+        durable_name=durable,
+        ack_policy=AckPolicy.EXPLICIT,
+        ack_wait=ack_wait_s,
+        deliver_policy=DeliverPolicy.NEW if deliver_new else DeliverPolicy.ALL,
+        filter_subject=filter_subject,
+        max_ack_pending=1000,
+    )
+    sub = await js.pull_subscribe(filter_subject, durable=durable, stream=stream, config=config)
+    try:
+        while not stop.is_set():
+            try:
+                messages = await sub.fetch(batch, timeout=0.5)
+            except TimeoutError:  # nats.errors.TimeoutError, or asyncio's from inside fetch
+                continue
+            except (nats.errors.ConnectionClosedError,
+                    nats.errors.ConnectionReconnectingError):
+                await asyncio.sleep(0.5)
+                continue
+            for msg in messages:
+                await _handle_one(msg, handle, durable)
+    finally:
+        # Only the client-side inbox goes; the durable consumer keeps its position. Without
+        # this, draining the connection waits out its whole timeout at every shutdown.
+        with contextlib.suppress(Exception):
+            await sub.unsubscribe()
+
+
+async def _keep(msg: Msg) -> None:
+    """Tell JetStream the message is still being worked on, so it is not redelivered."""
+    while True:
+        await asyncio.sleep(ACK_WAIT_S / 2)
+        with contextlib.suppress(Exception):
+            await msg.in_progress()
+
+
+async def _handle_one(msg: Msg, handle: Handler, durable: str) -> None:
+    keeper = asyncio.create_task(_keep(msg))
+    try:
+        await handle(msg)
+    except PoisonMessage as exc:
+        log.error("bus.message_rejected", consumer=durable, subject=msg.subject, error=str(exc))
+        await msg.term()
+        return
+    except Exception as exc:
+        log.exception("bus.handler_failed", consumer=durable, subject=msg.subject,
+                      error=str(exc))
+        with contextlib.suppress(Exception):
+            await msg.nak(delay=1.0)
+        return
+    finally:
+        keeper.cancel()
+    await msg.ack()
+
+
+def decode_or_poison(data: bytes, decode: Callable[[bytes], T]) -> T:
+    """Decode a payload; an undecodable one becomes PoisonMessage with the reason."""
+    try:
+        return decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise PoisonMessage(f"undecodable message: {exc}") from exc

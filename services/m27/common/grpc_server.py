@@ -1,0 +1,97 @@
+"""Every gRPC server of m27 is built here: health checking and server reflection included."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, Final, NoReturn
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+from grpc_reflection.v1alpha import reflection
+
+from m27.common.errors import M27Error
+
+MAX_MESSAGE_BYTES: Final = 16 * 1024 * 1024
+SERVER_OPTIONS: Final = [
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.so_reuseport", 0),
+]
+CLIENT_OPTIONS: Final = [
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+]
+
+Register = Callable[[grpc.aio.Server], None]
+
+
+def status_of(error: BaseException) -> grpc.StatusCode:
+    """The gRPC status for `error`: an `M27Error` family's `status`; anything else is a bug
+    of ours (INTERNAL). The one mapping from errors to statuses (`m27.common.errors`)."""
+    if isinstance(error, M27Error):
+        return grpc.StatusCode[error.status]
+    return grpc.StatusCode.INTERNAL
+
+
+async def abort(context: grpc.aio.ServicerContext[Any, Any], code: grpc.StatusCode,
+                message: str, *, metadata: Sequence[tuple[str, str]] = ()) -> NoReturn:
+    """End the call with `code` and a sentence for the user; servicers call `refuse`, this
+    is for relaying a status another server gave."""
+    await context.abort(code, message, trailing_metadata=tuple(metadata))
+    raise AssertionError("context.abort raises")
+
+
+async def refuse(context: grpc.aio.ServicerContext[Any, Any], error: M27Error, *,
+                 metadata: Sequence[tuple[str, str]] = ()) -> NoReturn:
+    """End the call with `error`'s status and its message, a sentence for the user (every
+    servicer's refusals)."""
+    await abort(context, status_of(error), str(error), metadata=metadata)
+
+
+class GrpcServer:
+    """A started aio server with its bound address; health is NOT_SERVING until `serving()`."""
+
+    def __init__(self, server: grpc.aio.Server, address: str, health: HealthServicer,
+                 service_names: Sequence[str]) -> None:
+        self.server = server
+        self.address = address
+        self.health = health
+        self.service_names = tuple(service_names)
+
+    async def serving(self) -> None:
+        for name in ("", *self.service_names):
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+
+    async def stop(self, grace_s: float = 2.0) -> None:
+        for name in ("", *self.service_names):
+            await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self.server.stop(grace_s)
+
+
+async def start_server(bind: str, registrations: Sequence[Register],
+                       service_names: Sequence[str]) -> GrpcServer:
+    """Bind `bind` (`host:port`, port 0 picks a free one), add health and reflection, start."""
+    server = grpc.aio.server(options=SERVER_OPTIONS)
+    for register in registrations:
+        register(server)
+    health = HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    for name in ("", *service_names):
+        await health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    reflection.enable_server_reflection(
+        (*service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+         reflection.SERVICE_NAME),
+        server,
+    )
+    try:
+        port = server.add_insecure_port(bind)
+    except RuntimeError as exc:
+        raise M27Error(f"cannot listen for gRPC on {bind}: {exc}") from exc
+    if port == 0:
+        raise M27Error(f"cannot listen for gRPC on {bind}: address in use or not local")
+    await server.start()
+    host = bind.rsplit(":", 1)[0] or "127.0.0.1"
+    if host in {"0.0.0.0", "[::]", "::"}:  # noqa: S104 - reporting, not binding
+        host = "127.0.0.1"
+    return GrpcServer(server, f"{host}:{port}", health, service_names)

@@ -1,0 +1,231 @@
+"""`m27.v1.PipelineService`: the public gRPC API, a thin edge over the engine and the cores.
+
+Protobuf stops here: requests become domain values, problems become gRPC statuses with
+messages a person can act on (INVALID_ARGUMENT for a bad pipeline or id, NOT_FOUND for an
+unknown run or step, FAILED_PRECONDITION for a retry that cannot happen).
+"""
+
+from __future__ import annotations
+
+import getpass
+import time
+from collections.abc import AsyncIterator
+from typing import Final
+
+import grpc
+import msgspec
+from nats.js import JetStreamContext
+from nats.js.api import ConsumerConfig, DeliverPolicy
+
+from m27.common import events, proto, subjects
+from m27.common.errors import Internal, InvalidRequest, NotFoundError, Refused
+from m27.common.grpc_server import refuse
+from m27.common.hints import one_of
+from m27.common.ids import is_valid_run_id, new_run_id
+from m27.common.logging import get_logger
+from m27.common.model import TERMINAL_RUN_STATES, NodeInfo, RunRecord
+from m27.orchestrator import history, runs
+from m27.orchestrator.engine import Engine
+from m27.orchestrator.store import RunExistsError
+from m27.pipeline import PipelineError, PipelineSpec, Problem, load_pipeline
+from m27.pipeline.plan import capacity_problems, make_plan
+from m27.v1 import pipeline_pb2 as pb
+from m27.v1 import pipeline_pb2_grpc as pb_grpc
+
+log = get_logger()
+
+SERVICE_NAME: Final = "m27.v1.PipelineService"
+MAX_USER_CHARS: Final = 100
+MAX_WORKDIR_CHARS: Final = 4096
+RESUME_IDLE_S: Final = 1.0
+
+Context = grpc.aio.ServicerContext[object, object]
+
+
+class PipelineServicer(pb_grpc.PipelineServiceServicer):
+    def __init__(self, engine: Engine, gpu_light_share: float) -> None:
+        self.engine = engine
+        self.store = engine.store
+        self.gpu_light_share = gpu_light_share
+
+    # ------------------------------------------------------------ submit and plan
+
+    async def SubmitPipeline(self, request: pb.SubmitPipelineRequest,
+                             context: Context) -> pb.SubmitPipelineResponse:
+        user = request.user or getpass.getuser()
+        if len(user) > MAX_USER_CHARS:
+            await refuse(context, InvalidRequest("user is too long"))
+        spec = await self._load(request.pipeline_yaml, dict(request.vars), request.source_name,
+                                request.workdir, request.urgency, context)
+        await self._check_capacity(spec, request.source_name, context)
+        now = time.time()
+        for _ in range(5):
+            stored = runs.new_run(spec, run_id=new_run_id(now), user=user,
+                                  variables=spec.variables, workdir=request.workdir, now=now,
+                                  use_cache=not request.no_cache,
+                                  source_name=request.source_name[:200])
+            try:
+                await self.engine.create(stored)
+            except RunExistsError:
+                continue
+            log.info("run.submitted", run_id=stored.run.run_id, user=user,
+                     steps=len(stored.run.steps))
+            return pb.SubmitPipelineResponse(run_id=stored.run.run_id)
+        await refuse(context, Internal("could not allocate a run id"))
+        raise AssertionError("unreachable")
+
+    async def PlanPipeline(self, request: pb.PlanPipelineRequest,
+                           context: Context) -> pb.PlanPipelineResponse:
+        spec = await self._load(request.pipeline_yaml, dict(request.vars), request.source_name,
+                                request.workdir, pb.URGENCY_UNSPECIFIED, context)
+        durations = await history.durations(self.store, spec.name)
+        reuse = await history.predicted_reuse(self.engine.cache, spec, request.workdir,
+                                              use_cache=not request.no_cache)
+        plan = make_plan(spec, durations=durations, reuse=reuse, nodes=await self._nodes())
+        return pb.PlanPipelineResponse(plan_json=msgspec.json.encode(plan).decode())
+
+    async def _load(self, text: str, variables: dict[str, str], source_name: str,
+                    workdir: str, urgency: pb.Urgency.ValueType,
+                    context: Context) -> PipelineSpec:
+        if len(workdir) > MAX_WORKDIR_CHARS or (workdir and not workdir.startswith("/")):
+            await refuse(context, InvalidRequest(
+                f"workdir must be an absolute path, got {workdir[:200]!r}"))
+        given = None if urgency == pb.URGENCY_UNSPECIFIED else proto.urgency_from_proto(urgency)
+        try:
+            return load_pipeline(text, variables, source=source_name[:200] or "<pipeline>",
+                                 gpu_light_share=self.gpu_light_share, urgency=given,
+                                 workdir=workdir)
+        except PipelineError as exc:
+            await refuse(context, exc)
+
+    async def _nodes(self) -> list[NodeInfo]:
+        bus = self.store.bus
+        found = [await bus.kv_get(subjects.NODES_BUCKET, key, NodeInfo)
+                 for key in await bus.kv_keys(subjects.NODES_BUCKET)]
+        return [entry[0] for entry in found if entry is not None and entry[0].state == "up"]
+
+    async def _check_capacity(self, spec: PipelineSpec, source: str,
+                              context: Context) -> None:
+        """A step no node could ever run is an error now, not a step waiting forever."""
+        nodes = await self._nodes()
+        if not nodes:
+            return  # nodes may join later
+        problems = capacity_problems(spec.steps, nodes)
+        if problems:
+            error = PipelineError(source or "<pipeline>", [
+                Problem(message=p, hint="nodes: " + ", ".join(
+                    f"{n.node_id} ({len(n.gpus)} GPU, {n.cpu_slots} CPU)" for n in nodes))
+                for p in problems])
+            await refuse(context, error)
+
+    # ------------------------------------------------------------ runs
+
+    async def GetRun(self, request: pb.GetRunRequest,
+                     context: Context) -> pb.Run:
+        return proto.run_to_proto((await self._get(request.run_id, context)).run)
+
+    async def ListRuns(self, request: pb.ListRunsRequest,
+                       context: Context) -> pb.ListRunsResponse:
+        try:
+            query = history.Query.from_request(request)
+        except ValueError as exc:
+            await refuse(context, InvalidRequest(str(exc)))
+        found, token = await history.list_runs(self.store, query)
+        return pb.ListRunsResponse(runs=[proto.summary_to_proto(r) for r in found],
+                                   next_page_token=token)
+
+    async def CancelRun(self, request: pb.CancelRunRequest,
+                        context: Context) -> pb.CancelRunResponse:
+        stored = await self._get(request.run_id, context)
+        reason = request.reason[:500]
+        if request.step:
+            await self._require_step_or_abort(stored.run, request.step, context)
+            stored = await self.engine.change(request.run_id, lambda s: runs.request_cancel_step(
+                s, request.step, reason, time.time()))
+        else:
+            stored = await self.engine.change(request.run_id, lambda s: runs.request_cancel(
+                s, reason or "cancelled on request", time.time()))
+        log.info("run.cancel_requested", run_id=request.run_id, step=request.step or None)
+        return pb.CancelRunResponse(state=proto.run_to_proto(stored.run).state)
+
+    async def _require_step_or_abort(self, run: RunRecord, name: str, context: Context) -> None:
+        if run.step(name) is None:
+            hint = one_of(name, [s.name for s in run.steps], "its steps")
+            await refuse(context, NotFoundError(
+                f"run {run.run_id} has no step {name[:100]!r}" + (f" ({hint})" if hint else "")))
+
+    async def RetryRun(self, request: pb.RetryRunRequest,
+                       context: Context) -> pb.RetryRunResponse:
+        await self._get(request.run_id, context)
+        refusal: list[str] = []
+        again: list[str] = []
+
+        def decide(stored: runs.StoredRun) -> runs.StoredRun | None:
+            refusal.clear()
+            result = runs.retry_run(stored, time.time())
+            if isinstance(result, str):
+                refusal.append(result)
+                return None
+            again[:] = [s.name for s in stored.run.steps if s.state != "succeeded"]
+            return result
+
+        stored = await self.engine.change(request.run_id, decide)
+        if refusal:
+            await refuse(context, Refused(refusal[0]))
+        log.info("run.retry", run_id=request.run_id, steps=len(again))
+        return pb.RetryRunResponse(state=proto.run_to_proto(stored.run).state, steps=again)
+
+    async def WatchRun(self, request: pb.WatchRunRequest,
+                       context: Context) -> AsyncIterator[pb.WatchRunResponse]:
+        await self._get(request.run_id, context)
+        subject = subjects.run_events(request.run_id)
+        js = self.store.bus.js
+        if request.after_sequence:
+            sub = await js.subscribe(subject, ordered_consumer=True, config=ConsumerConfig(
+                deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
+                opt_start_seq=request.after_sequence + 1))
+        else:  # subscribe before the snapshot so no event falls between the two
+            sub = await js.subscribe(subject, ordered_consumer=True,
+                                     deliver_policy=DeliverPolicy.NEW)
+        try:
+            stored = await self._get(request.run_id, context)
+            finished = stored.run.state in TERMINAL_RUN_STATES
+            if not request.after_sequence:
+                yield pb.WatchRunResponse(snapshot=proto.run_to_proto(stored.run))
+                if finished:
+                    return
+            async for message in _events(sub, idle_s=RESUME_IDLE_S if finished else None):
+                yield pb.WatchRunResponse(event=message)
+                if proto.is_final_event(message):
+                    return
+        finally:
+            await sub.unsubscribe()
+
+    async def _get(self, run_id: str, context: Context) -> runs.StoredRun:
+        if not is_valid_run_id(run_id):
+            await refuse(context, InvalidRequest(
+                f"not a run id: {run_id[:80]!r} (run ids look like r-20261201-081500-a1b2c3)"))
+        try:
+            stored, _ = await self.store.get(run_id)
+        except NotFoundError:
+            await refuse(context, NotFoundError(f"no run {run_id}"))
+        return stored
+
+
+async def _events(sub: JetStreamContext.PushSubscription,
+                  idle_s: float | None) -> AsyncIterator[pb.RunEvent]:
+    """The subscription's events with their stream sequence; with `idle_s`, it ends once
+    nothing arrived for that long (a resumed watch of a run that already ended)."""
+    while True:
+        try:
+            msg = await sub.next_msg(timeout=idle_s or 5.0)
+        except TimeoutError:
+            if idle_s is not None:
+                return
+            continue
+        try:
+            event = events.decode_event(msg.data)
+        except ValueError as exc:
+            log.warning("watch.undecodable_event", subject=msg.subject, error=str(exc))
+            continue
+        yield proto.event_to_proto(event, sequence=msg.metadata.sequence.stream)

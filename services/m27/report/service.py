@@ -1,0 +1,151 @@
+"""The report service's shell: when a run ends, fetch it, write its HTML report, announce it.
+
+    receive RunStateChanged → decide → GetRun (orchestrator) → render → write atomically
+    → publish ReportReady → ack
+
+The event is acked only once the file is durable and the announcement stored. An API that
+cannot be reached (or answers with an error) makes the handler raise, so the event is
+redelivered; a run the API does not know is logged and acked, never retried forever.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+from nats.aio.msg import Msg
+
+from m27.client import Client
+from m27.common import bus, events, subjects
+from m27.common.bus import Bus
+from m27.common.config import Config
+from m27.common.errors import M27Error, NotFoundError
+from m27.common.logging import bound_contextvars, get_logger
+from m27.common.model import TERMINAL_RUN_STATES, RunRecord, ServiceInfo
+from m27.common.service import ServiceRuntime
+from m27.report.decide import ORCHESTRATOR, decide, pick_orchestrator, report_file
+from m27.report.files import write_atomic
+from m27.report.render import render_run_report
+
+log = get_logger()
+
+
+FetchRun = Callable[[str, str], Awaitable[RunRecord]]
+
+
+class ReportError(M27Error):
+    """The report service cannot do its work (no API to ask, no directory to write to)."""
+
+
+class NoOrchestrator(ReportError):
+    """No orchestrator is registered yet; the event is retried until one is."""
+
+
+class RunNotFinished(ReportError):
+    """The API does not show the run as finished yet; the event is retried."""
+
+
+def report_dir(config: Config, home: Path) -> Path:
+    """`[report] dir`, else `$M27_HOME/reports`, as an absolute path (it goes into events)."""
+    configured = config.report.dir
+    path = Path(configured).expanduser() if configured else home / "reports"
+    return path.absolute()
+
+
+async def fetch_run(address: str, run_id: str) -> RunRecord:
+    """GetRun on the orchestrator at `address` (ClientError / NotFoundError on failure)."""
+    async with Client(address) as client:
+        return await client.get_run(run_id)
+
+
+def write_report(run: RunRecord, path: Path, *, generated_at: float) -> int:
+    """Render and write atomically (blocking: run it in a thread); returns the bytes written."""
+    text = render_run_report(run, generated_at=generated_at)
+    write_atomic(path, text)
+    return len(text.encode("utf-8"))
+
+
+class Reporter:
+    """Handles the run-state events of the report consumer, one at a time."""
+
+    def __init__(self, nats: Bus, out_dir: Path, *, api: str = "",
+                 fetch: FetchRun = fetch_run, clock: Callable[[], float] = time.time) -> None:
+        self._nats = nats
+        self.out_dir = out_dir
+        self._api = api
+        self._fetch = fetch
+        self._clock = clock
+
+    async def handle(self, msg: Msg) -> None:
+        """The consumer's handler: returns once the report is durable (or not wanted)."""
+        event = bus.decode_or_poison(msg.data, events.decode_event)
+        decision = decide(event)
+        if not decision.write:
+            log.debug("report.skipped", run_id=decision.run_id, reason=decision.reason)
+            return
+        with bound_contextvars(run_id=decision.run_id):
+            await self.report(decision.run_id)
+
+    async def report(self, run_id: str) -> Path | None:
+        """Fetch, write and announce one run's report; None when the API does not know it."""
+        address = await self.api_address()
+        try:
+            run = await self._fetch(address, run_id)
+        except NotFoundError:
+            log.warning("report.run_not_found", api=address)
+            return None
+        if run.state not in TERMINAL_RUN_STATES:
+            raise RunNotFinished(f"the API at {address} still shows run {run_id} as "
+                                 f"{run.state}; retrying")
+        path = report_file(self.out_dir, run_id)
+        size = await asyncio.to_thread(write_report, run, path, generated_at=self._clock())
+        ready = events.ReportReady(at=self._clock(), run_id=run_id, path=str(path))
+        await self._nats.publish(subjects.run_report(run_id), ready, msg_id=f"{run_id}:report")
+        log.info("report.written", path=str(path), state=run.state, steps=len(run.steps),
+                 bytes=size)
+        return path
+
+    async def api_address(self) -> str:
+        """The `--api` address, else the newest orchestrator registered in the services KV."""
+        if self._api:
+            return self._api
+        address = pick_orchestrator(await self._registered_services())
+        if address is None:
+            raise NoOrchestrator(f"no orchestrator is registered in "
+                                 f"{subjects.SERVICES_BUCKET}; is it running?")
+        return address
+
+    async def _registered_services(self) -> list[tuple[str, ServiceInfo]]:
+        found = []
+        for key in await self._nats.kv_keys(subjects.SERVICES_BUCKET):
+            if not key.startswith(f"{ORCHESTRATOR}."):
+                continue
+            entry = await self._nats.kv_get(subjects.SERVICES_BUCKET, key, ServiceInfo)
+            if entry is not None:
+                found.append((key, entry[0]))
+        return found
+
+
+async def serve(rt: ServiceRuntime) -> None:
+    """Run the report service until `rt.stop` is set (a consumer that dies sets it too)."""
+    out_dir = report_dir(rt.config, rt.home)
+    await asyncio.to_thread(_ensure_dir, out_dir)
+    await rt.connect()
+    await rt.serve_grpc()
+    reporter = Reporter(rt.nats, out_dir, api=rt.args.api or "")
+    rt.spawn(bus.consume(rt.nats.js, stream=subjects.EVENTS_STREAM,
+                         durable=subjects.REPORT_RUN_STATE, filter_subject=subjects.RUN_STATE_ALL,
+                         handle=reporter.handle, stop=rt.stop), "run-state")
+    await rt.ready()
+    log.info("report.watching", dir=str(out_dir), api=rt.args.api or "discovered")
+    await rt.stop.wait()
+
+
+def _ensure_dir(path: Path) -> None:
+    """Fail at start, with the path, rather than on the first finished run."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ReportError(f"cannot create the report directory {path}: {exc}") from exc
