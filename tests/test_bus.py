@@ -9,7 +9,8 @@ import pytest
 from nats.aio.msg import Msg
 
 from m27.common import events, subjects
-from m27.common.bus import Bus, NatsBus, PoisonMessage, consume
+from m27.common.bus import MAX_FAILED_DELIVERIES, Bus, NatsBus, PoisonMessage, consume
+from m27.common.errors import Unavailable
 from m27.common.memory_bus import MemoryBus
 from m27.common.model import ServiceInfo
 
@@ -142,3 +143,60 @@ async def test_the_in_memory_bus_records_publishes_and_fails_on_demand() -> None
     with pytest.raises(TimeoutError):
         await bus.kv_keys(subjects.SERVICES_BUCKET)
     assert len(bus.published) == 1
+
+
+async def dead_letters(bus: NatsBus, count: int) -> list[Msg]:
+    """The first `count` dead letters, waiting for them (a fact, not a time)."""
+    sub = await bus.js.subscribe(subjects.DEAD_ALL, ordered_consumer=True)
+    try:
+        return [await sub.next_msg(timeout=20) for _ in range(count)]
+    finally:
+        await sub.unsubscribe()
+
+
+async def test_poison_and_hopeless_messages_are_dead_lettered_transient_ones_retried(
+        nats_url: str) -> None:
+    """Undecodable: dead-lettered at once. Failing for a reason that will not change (a
+    bug, bad data): MAX_FAILED_DELIVERIES tries, then dead-lettered. Failing because
+    something is away (Unavailable, NATS, a timeout): retried until it works."""
+    bus = await NatsBus.open(nats_url, name="test")
+    tries: dict[str, int] = {}
+    handled = asyncio.Event()
+    stop = asyncio.Event()
+
+    async def handle(msg: Msg) -> None:
+        if msg.data == b"not json":
+            raise PoisonMessage("undecodable")
+        event = events.decode_event(msg.data)
+        assert isinstance(event, events.NodeStopped)
+        tries[event.node_id] = tries.get(event.node_id, 0) + 1
+        if event.node_id == "buggy":
+            raise KeyError("a bug that every delivery meets")
+        if event.node_id == "away" and tries["away"] <= MAX_FAILED_DELIVERIES + 2:
+            raise Unavailable("the orchestrator is not there yet")
+        handled.set()
+
+    await bus.js.publish(subjects.node_events("junk"), b"not json")
+    await bus.publish(subjects.node_events("buggy"), events.NodeStopped(at=1, node_id="buggy"))
+    await bus.publish(subjects.node_events("away"), events.NodeStopped(at=2, node_id="away"))
+    consumer = asyncio.create_task(consume(
+        bus.js, stream=subjects.EVENTS_STREAM, durable="dl", filter_subject=
+        subjects.NODE_EVENTS_ALL, handle=handle, stop=stop, retry_s=0.05))
+    try:
+        junk, buggy = await dead_letters(bus, 2)
+        await asyncio.wait_for(handled.wait(), 20)
+    finally:
+        stop.set()
+        await consumer
+    assert junk.data == b"not json"
+    assert junk.subject == subjects.dead_letter("dl")
+    assert junk.headers is not None
+    assert junk.headers["M27-Original-Subject"] == subjects.node_events("junk")
+    assert junk.headers["M27-Error"] == "undecodable"
+    assert buggy.headers is not None
+    assert buggy.headers["M27-Error"] == "KeyError: 'a bug that every delivery meets'"
+    assert tries["buggy"] == MAX_FAILED_DELIVERIES
+    assert tries["away"] == MAX_FAILED_DELIVERIES + 3  # never given up on: it worked
+    stream = await bus.js.stream_info(subjects.DEAD_STREAM)
+    assert stream.state.messages == 2
+    await bus.close()

@@ -73,6 +73,7 @@ def test_the_whole_lifecycle_on_one_machine(m27: M27) -> None:
     assert status["up"] is True
     assert status["nats_url"].startswith("nats://127.0.0.1:")
     assert status["api"].startswith("127.0.0.1:")
+    assert status["dead_letters"] == 0  # the dead-letter stream exists and is empty
     names = [p["name"] for p in status["processes"]]
     assert names == ["nats-server", "orchestrator", "scheduler", "checkpoint-store", "report",
                      "node-agent-1", "node-agent-2"]

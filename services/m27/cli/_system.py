@@ -9,9 +9,14 @@ import sys
 import time
 from typing import Final
 
+import nats.errors
+
 from m27.cli import _watch
 from m27.cli._common import Subparsers, add, with_client
 from m27.client import Client
+from m27.common import subjects
+from m27.common.bus import connect
+from m27.common.errors import M27Error
 from m27.embedded import system
 
 REPORT_WAIT_S: Final = 20.0
@@ -67,19 +72,40 @@ def cmd_status(args: argparse.Namespace) -> int:
         else:
             print(f"m27 is not running (home {args.home}); start it with `m27 up`")
         return 1
+    dead = dead_letters(state.nats_url)
     if args.json:
-        print(system.status_json(state))
+        print(system.status_json(state, dead))
         return 0
     print(f"m27 under {state.home}: api {state.api}, nats {state.nats_url}, GPUs {state.gpus}"
           + (" (simulated)" if state.simulated_gpus else ""))
     for row in system.statuses(state):
         mark = "up  " if row.alive else "DOWN"
         print(f"  {mark} {row.name:<18} pid {row.pid:<8} {row.grpc_address}")
+    if dead:
+        print(f"  {dead} dead letter(s): messages a service rejected or kept failing on, kept "
+              f"with the reason in stream {subjects.DEAD_STREAM} ({subjects.DEAD_ALL}); the "
+              "services' logs say more (bus.message_rejected, bus.message_dead_lettered)")
     from m27.cli._queue import maintenance_states
 
     for node_id, held in sorted(maintenance_states(args).items()):
         print(f"  node {node_id} is {held} (`m27 node uncordon {node_id}` returns it)")
     return 0 if system.is_up(state) else 1
+
+
+def dead_letters(nats_url: str) -> int | None:
+    """Messages in the dead-letter stream; None when NATS cannot be asked."""
+    async def count() -> int:
+        nc = await connect(nats_url, name="m27-cli-status", timeout=3.0)
+        try:
+            info = await nc.jetstream(timeout=3.0).stream_info(subjects.DEAD_STREAM)
+            return int(info.state.messages)
+        finally:
+            await nc.close()
+
+    try:
+        return asyncio.run(count())
+    except (M27Error, OSError, TimeoutError, nats.errors.Error):
+        return None
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

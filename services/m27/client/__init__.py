@@ -27,7 +27,7 @@ from m27.client._cluster import (
     node_from_proto,
 )
 from m27.common import proto
-from m27.common.errors import M27Error, NotFoundError
+from m27.common.errors import M27Error, NotFoundError, Unavailable
 from m27.common.grpc_server import CLIENT_OPTIONS
 from m27.common.logfiles import LogChunk
 from m27.common.model import RunRecord, RunState, Urgency
@@ -201,10 +201,12 @@ class Client:
     def _error(self, exc: grpc.aio.AioRpcError) -> ClientError:
         code, details = exc.code(), exc.details() or ""
         if code == grpc.StatusCode.UNAVAILABLE:
-            return ClientError(f"cannot reach the m27 API at {self.address}: is it up? "
-                               "(start it with `m27 up`)")
+            return ApiUnavailable(f"cannot reach the m27 API at {self.address}: is it up? "
+                                  "(start it with `m27 up`)")
         if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-            return ClientError(f"the m27 API at {self.address} did not answer in time")
+            return ApiUnavailable(f"the m27 API at {self.address} did not answer in time")
+        if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            return ApiUnavailable(details or f"the m27 API at {self.address} is overloaded")
         if code == grpc.StatusCode.NOT_FOUND:
             return _NotFound(details)
         if code == grpc.StatusCode.INVALID_ARGUMENT:
@@ -261,6 +263,11 @@ _SAID_FOR_PEOPLE = frozenset({
 
 class _NotFound(ClientError, NotFoundError):
     pass
+
+
+class ApiUnavailable(ClientError, Unavailable):
+    """The API could not be reached, did not answer in time or was overloaded: trying
+    again later may work."""
 
 
 def _event_from_proto(message: pb.RunEvent) -> RunEvent:

@@ -5,8 +5,9 @@ implementation and `m27.common.memory_bus.MemoryBus` the one in-memory fake for 
 
 Connections override nats-py's defaults (120 s pings, giving up on reconnect): a dead server
 is noticed within ~15 s and reconnects never stop. Handlers are acked only after they return,
-that is after their effect is stored; a message that cannot be decoded is terminated, not
-redelivered forever.
+that is after their effect is stored; a message that cannot be decoded, or that fails
+again and again for a reason that is not transient, is kept in the dead-letter stream
+(`M27_DEAD`, `m27.dead.<consumer>`), not redelivered forever.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from nats.js.api import (
 from nats.js.kv import KeyValue
 
 from m27.common import events, subjects
-from m27.common.errors import BusError, M27Error
+from m27.common.errors import BusError, M27Error, Unavailable
 from m27.common.logging import get_logger
 
 log = get_logger()
@@ -49,6 +50,11 @@ MAX_OUTSTANDING_PINGS: Final = 3
 RECONNECT_WAIT_S: Final = 0.5
 JS_TIMEOUT_S: Final = 10.0
 ACK_WAIT_S: Final = 5.0
+#: A message whose handler fails this often for a reason that is not transient (bad data,
+#: a bug) goes to the dead-letter stream instead of coming back forever.
+MAX_FAILED_DELIVERIES: Final = 5
+MAX_RETRY_DELAY_S: Final = 30.0
+MAX_DEAD_REASON: Final = 1000
 
 
 class PoisonMessage(M27Error):
@@ -284,11 +290,14 @@ async def consume(
     batch: int = 8,
     ack_wait_s: float = ACK_WAIT_S,
     deliver_new: bool = False,
+    retry_s: float = 1.0,
 ) -> None:
     """Pull messages from a durable consumer until `stop` is set.
 
-    Each message is acked after `handle` returns; PoisonMessage terminates it; any other
-    exception is logged and the message redelivered after a second. The ack wait is short
+    Each message is acked after `handle` returns; PoisonMessage sends it to the dead-letter
+    stream (`subjects.dead_letter`); any other exception is logged and the message
+    redelivered after a delay that doubles — forever if the failure is transient, else
+    until MAX_FAILED_DELIVERIES, then it is dead-lettered too. The ack wait is short
     (messages a crashed consumer had fetched come back within seconds); a handler that runs
     longer keeps its message with in-progress acks.
     """
@@ -312,7 +321,7 @@ async def consume(
                 await asyncio.sleep(0.5)
                 continue
             for msg in messages:
-                await _handle_one(msg, handle, durable)
+                await _handle_one(msg, handle, durable, js, retry_s)
     finally:
         # Only the client-side inbox goes; the durable consumer keeps its position. Without
         # this, draining the connection waits out its whole timeout at every shutdown.
@@ -328,23 +337,64 @@ async def _keep(msg: Msg) -> None:
             await msg.in_progress()
 
 
-async def _handle_one(msg: Msg, handle: Handler, durable: str) -> None:
+def transient(error: BaseException) -> bool:
+    """A failure that trying again later may cure (NATS or a service away, a timeout), as
+    opposed to one the same message will meet every time (bad data, a bug)."""
+    return isinstance(error, (Unavailable, TimeoutError, ConnectionError, nats.errors.Error))
+
+
+def retry_delay(deliveries: int, first_s: float = 1.0) -> float:
+    """Seconds before a failed message comes back: 1, 2, 4 … at most MAX_RETRY_DELAY_S."""
+    return float(min(MAX_RETRY_DELAY_S, first_s * 2 ** max(0, deliveries - 1)))
+
+
+async def _handle_one(msg: Msg, handle: Handler, durable: str, js: JetStreamContext,
+                      retry_s: float) -> None:
     keeper = asyncio.create_task(_keep(msg))
     try:
         await handle(msg)
     except PoisonMessage as exc:
         log.error("bus.message_rejected", consumer=durable, subject=msg.subject, error=str(exc))
-        await msg.term()
+        await _bury(msg, durable, str(exc), js)
         return
     except Exception as exc:
+        deliveries = _deliveries(msg)
+        if not transient(exc) and deliveries >= MAX_FAILED_DELIVERIES:
+            log.exception("bus.message_dead_lettered", consumer=durable, subject=msg.subject,
+                          error=str(exc), deliveries=deliveries)
+            await _bury(msg, durable, f"{type(exc).__name__}: {exc}", js)
+            return
         log.exception("bus.handler_failed", consumer=durable, subject=msg.subject,
-                      error=str(exc))
+                      error=str(exc), deliveries=deliveries)
         with contextlib.suppress(Exception):
-            await msg.nak(delay=1.0)
+            await msg.nak(delay=retry_delay(deliveries, retry_s))
         return
     finally:
         keeper.cancel()
     await msg.ack()
+
+
+def _deliveries(msg: Msg) -> int:
+    try:
+        return int(msg.metadata.num_delivered or 1)
+    except Exception:  # not a JetStream message (a test's, a core one)
+        return 1
+
+
+async def _bury(msg: Msg, durable: str, why: str, js: JetStreamContext) -> None:
+    """Keep the message in the dead-letter stream with why, then end its redelivery. If
+    even that cannot be stored, it is left to come back (nothing is lost silently)."""
+    headers = {"M27-Original-Subject": msg.subject, "M27-Consumer": durable,
+               "M27-Error": why[:MAX_DEAD_REASON].replace("\r", " ").replace("\n", " ")}
+    try:
+        await js.publish(subjects.dead_letter(durable), msg.data, headers=headers,
+                         timeout=JS_TIMEOUT_S)
+    except Exception as exc:
+        log.error("bus.dead_letter_failed", consumer=durable, error=str(exc))
+        with contextlib.suppress(Exception):
+            await msg.nak(delay=MAX_RETRY_DELAY_S)
+        return
+    await msg.term()
 
 
 def decode_or_poison(data: bytes, decode: Callable[[bytes], T]) -> T:

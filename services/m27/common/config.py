@@ -51,6 +51,9 @@ class NodeSection(msgspec.Struct, frozen=True, kw_only=True):
     over_share_samples: Annotated[int, msgspec.Meta(ge=1, le=100)] = 3
     # Prometheus /metrics (DCGM-exporter names); port 0: a free one; empty: off.
     metrics_bind: str = "127.0.0.1:0"
+    # Variables of the agent's own environment a step gets besides the minimal set
+    # (docs/isolation.md, "A step's environment"): names, or prefixes ending in `*`.
+    pass_env: str = ""
 
 
 class SchedulerSection(msgspec.Struct, frozen=True, kw_only=True):

@@ -22,6 +22,12 @@ class InvalidRequest(M27Error):
     status = "INVALID_ARGUMENT"
 
 
+class OutOfRange(InvalidRequest):
+    """A number past what it can be (a sequence beyond any stream's)."""
+
+    status = "OUT_OF_RANGE"
+
+
 class NotFoundError(M27Error):
     """An id (run, step, node, checkpoint) that does not exist."""
 

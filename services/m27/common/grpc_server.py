@@ -10,13 +10,22 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
+from m27.common.admission import Admission
 from m27.common.errors import M27Error
 
 MAX_MESSAGE_BYTES: Final = 16 * 1024 * 1024
+#: Calls a server handles at once (streams included); the next ones are refused with
+#: RESOURCE_EXHAUSTED (`m27.common.admission`).
+MAX_CONCURRENT_RPCS: Final = 1000
+#: gRPC core's queue of calls not yet taken by the server: past its default (1,000) core
+#: cancels them with a bare CANCELLED; raised so that admission decides instead.
+MAX_PENDING_CALLS: Final = 100_000
 SERVER_OPTIONS: Final = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.so_reuseport", 0),
+    ("grpc.server.max_pending_requests", MAX_PENDING_CALLS),
+    ("grpc.server.max_pending_requests_hard_limit", MAX_PENDING_CALLS),
 ]
 CLIENT_OPTIONS: Final = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -70,9 +79,11 @@ class GrpcServer:
 
 
 async def start_server(bind: str, registrations: Sequence[Register],
-                       service_names: Sequence[str]) -> GrpcServer:
-    """Bind `bind` (`host:port`, port 0 picks a free one), add health and reflection, start."""
-    server = grpc.aio.server(options=SERVER_OPTIONS)
+                       service_names: Sequence[str], *,
+                       max_calls: int = MAX_CONCURRENT_RPCS) -> GrpcServer:
+    """Bind `bind` (`host:port`, port 0 picks a free one), add health and reflection, start;
+    at most `max_calls` calls at once (then RESOURCE_EXHAUSTED)."""
+    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[Admission(max_calls)])
     for register in registrations:
         register(server)
     health = HealthServicer()

@@ -39,3 +39,11 @@ def split_task_id(value: str) -> tuple[str, str]:
     if not sep or not is_valid_run_id(run_id) or not is_valid_name(step):
         raise ValueError(f"not a task id of the form <run_id>/<step>: {value!r}")
     return run_id, step
+
+
+def is_valid_task_id(value: str) -> bool:
+    try:
+        split_task_id(value)
+    except ValueError:
+        return False
+    return True

@@ -54,7 +54,11 @@ def urgency_from_proto(value: pb.Urgency.ValueType) -> Urgency:
 
 
 def run_state_from_proto(value: pb.RunState.ValueType) -> RunState:
-    return _RUN_STATE_FROM_PB[value]
+    """ValueError for a value that is no run state (an older or a hostile client)."""
+    try:
+        return _RUN_STATE_FROM_PB[value]
+    except KeyError:
+        raise ValueError(f"unknown run state {value}") from None
 
 
 def run_state_to_proto(state: RunState) -> pb.RunState.ValueType:

@@ -68,6 +68,14 @@ def node_commands(node_id: str) -> str:
 
 EVENTS_STREAM: Final = "M27_EVENTS"
 COMMANDS_STREAM: Final = "M27_COMMANDS"
+DEAD_STREAM: Final = "M27_DEAD"
+DEAD_ALL: Final = f"{PREFIX}.dead.>"
+
+
+def dead_letter(consumer: str) -> str:
+    """Where a message no handler of `consumer` could take is kept (`m27 status` counts
+    them; the original subject and the error are in its headers)."""
+    return f"{PREFIX}.dead.{consumer}"
 
 DAY: Final = 86400.0
 
@@ -96,6 +104,14 @@ STREAMS: Final[tuple[StreamSpec, ...]] = (
         max_age_s=7 * DAY,
         description="What to do: commands to the scheduler and to each node-agent; "
         "a message is removed once its consumer acks it.",
+    ),
+    StreamSpec(
+        name=DEAD_STREAM,
+        subjects=(DEAD_ALL,),
+        retention="limits",
+        max_age_s=30 * DAY,
+        description="Dead letters: messages a consumer rejected as malformed or failed on "
+        "again and again, kept with the reason instead of being retried forever.",
     ),
 )
 

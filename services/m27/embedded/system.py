@@ -191,10 +191,11 @@ def _stop_state(state: EmbeddedState) -> None:
     state_path(Path(state.home)).unlink(missing_ok=True)
 
 
-def status_json(state: EmbeddedState) -> str:
+def status_json(state: EmbeddedState, dead_letters: int | None = None) -> str:
     """The documented `m27 status --json` shape (plus liveness and log paths)."""
     rows = statuses(state)
     return json.dumps({
+        "dead_letters": dead_letters,
         "home": state.home,
         "nats_url": state.nats_url,
         "api": state.api,

@@ -27,7 +27,7 @@ import nats.errors
 
 from m27.common import subjects
 from m27.common.bus import Bus, PoisonMessage
-from m27.common.errors import M27Error
+from m27.common.errors import Unavailable
 from m27.common.events import StartTask, StopTask, TaskExited, TaskStarted
 from m27.common.logging import bound_contextvars, get_logger
 from m27.common.model import Fence, TaskHolding
@@ -74,11 +74,11 @@ OUTPUTS_CHECK_TIMEOUT_S: Final = 30.0
 TaskKey = tuple[str, int]
 
 
-class NotLeased(M27Error):
+class NotLeased(Unavailable):
     """The node's lease lapsed: start nothing until it is renewed (the message comes back)."""
 
 
-class AgentStopping(M27Error):
+class AgentStopping(Unavailable):
     """A StartTask arrived while the agent shuts down; it is redelivered to the next agent."""
 
 

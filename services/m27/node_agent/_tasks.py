@@ -114,9 +114,31 @@ def placement_problem(cmd: StartTask, gpus: Sequence[GpuInfo]) -> str | None:
     return None
 
 
+#: What a step gets of the agent's environment: enough to find programs, libraries and
+#: the locale, and the proxies and GPU settings of the machine; never the agent's own
+#: credentials or configuration (`[node] pass_env` adds names). Prefixes end in `*`.
+STEP_ENV: Final = (
+    "PATH", "HOME", "USER", "LOGNAME", "SHELL", "LANG", "LANGUAGE", "TZ", "TMPDIR", "TERM",
+    "PYTHONPATH", "VIRTUAL_ENV", "LD_LIBRARY_PATH", "CUDA_HOME", "CUDA_PATH",
+    "CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY", "HTTP_PROXY", "HTTPS_PROXY",
+    "NO_PROXY", "http_proxy", "https_proxy", "no_proxy", "LC_*", "XDG_*", "NVIDIA_*",
+    "OMP_*", "MKL_*",
+)
+
+
+def passed_env(base: Mapping[str, str], extra: str = "") -> dict[str, str]:
+    """The part of `base` a step may see: STEP_ENV and the comma-separated `extra`
+    (`[node] pass_env`), each a name or a prefix ending in `*`."""
+    patterns = [*STEP_ENV, *(p.strip() for p in extra.split(",") if p.strip())]
+    names = {p for p in patterns if not p.endswith("*")}
+    prefixes = tuple(p[:-1] for p in patterns if p.endswith("*"))
+    return {k: v for k, v in base.items() if k in names or (prefixes and k.startswith(prefixes))}
+
+
 def task_env(base: Mapping[str, str], cmd: StartTask, node: NodeContext,
              paths: TaskPaths) -> dict[str, str]:
-    """The agent's environment, then the step's `env`, then the M27_* placement variables.
+    """`base` (what the agent passes on: `passed_env`), then the step's `env`, then the
+    M27_* placement variables.
 
     CUDA_VISIBLE_DEVICES lists the task's GPUs ("" for CPU tasks, which hides every GPU);
     CUDA_DEVICE_ORDER=PCI_BUS_ID makes CUDA number GPUs the way NVML (and the scheduler)

@@ -40,7 +40,7 @@ from m27.node_agent._isolation import detect_cgroups, mps_running
 from m27.node_agent._lease import Lease, lease_path, monotonic, start_guard, stop_guard
 from m27.node_agent._runner import TaskRunner
 from m27.node_agent._staging import stage_inputs
-from m27.node_agent._tasks import NodeContext
+from m27.node_agent._tasks import NodeContext, passed_env
 from m27.node_agent._telemetry import Telemetry, TelemetrySettings
 from m27.node_agent.api import SERVICE_NAME as NODE_SERVICE
 from m27.node_agent.api import NodeServicer, nothing_running, running_check
@@ -86,7 +86,8 @@ class NodeAgent:
                 memory_overprovision=overprovision),
             self._publish, self._stop_over_share, hostname=socket.gethostname())
         self.runner = TaskRunner(bus, context, stop_grace_s=settings.stop_grace,
-                                 environ=env, clock=clock, leased=self._leased,
+                                 environ=passed_env(env, settings.pass_env), clock=clock,
+                                 leased=self._leased,
                                  cgroups=self.cgroups, energy=self._task_energy,
                                  files=files)
         self.metrics: MetricsServer | None = None

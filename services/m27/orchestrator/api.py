@@ -7,6 +7,7 @@ unknown run or step, FAILED_PRECONDITION for a retry that cannot happen).
 
 from __future__ import annotations
 
+import asyncio
 import getpass
 import time
 from collections.abc import AsyncIterator
@@ -18,7 +19,7 @@ from nats.js import JetStreamContext
 from nats.js.api import ConsumerConfig, DeliverPolicy
 
 from m27.common import events, proto, subjects
-from m27.common.errors import Internal, InvalidRequest, NotFoundError, Refused
+from m27.common.errors import Internal, InvalidRequest, NotFoundError, OutOfRange, Refused
 from m27.common.grpc_server import refuse
 from m27.common.hints import one_of
 from m27.common.ids import is_valid_run_id, new_run_id
@@ -38,6 +39,11 @@ SERVICE_NAME: Final = "m27.v1.PipelineService"
 MAX_USER_CHARS: Final = 100
 MAX_WORKDIR_CHARS: Final = 4096
 RESUME_IDLE_S: Final = 1.0
+#: Documents parsed and planned at once (in threads, off the event loop): a flood of
+#: submissions queues here instead of taking every core and all the memory.
+PARSERS: Final = 2
+#: The highest sequence a JetStream stream can reach (a uint64 less the one added here).
+MAX_SEQUENCE: Final = 2**63 - 1
 
 Context = grpc.aio.ServicerContext[object, object]
 
@@ -47,6 +53,7 @@ class PipelineServicer(pb_grpc.PipelineServiceServicer):
         self.engine = engine
         self.store = engine.store
         self.gpu_light_share = gpu_light_share
+        self._parsing = asyncio.Semaphore(PARSERS)
 
     # ------------------------------------------------------------ submit and plan
 
@@ -81,7 +88,10 @@ class PipelineServicer(pb_grpc.PipelineServiceServicer):
         durations = await history.durations(self.store, spec.name)
         reuse = await history.predicted_reuse(self.engine.cache, spec, request.workdir,
                                               use_cache=not request.no_cache)
-        plan = make_plan(spec, durations=durations, reuse=reuse, nodes=await self._nodes())
+        nodes = await self._nodes()
+        async with self._parsing:
+            plan = await asyncio.to_thread(make_plan, spec, durations=durations, reuse=reuse,
+                                           nodes=nodes)
         return pb.PlanPipelineResponse(plan_json=msgspec.json.encode(plan).decode())
 
     async def _load(self, text: str, variables: dict[str, str], source_name: str,
@@ -90,11 +100,14 @@ class PipelineServicer(pb_grpc.PipelineServiceServicer):
         if len(workdir) > MAX_WORKDIR_CHARS or (workdir and not workdir.startswith("/")):
             await refuse(context, InvalidRequest(
                 f"workdir must be an absolute path, got {workdir[:200]!r}"))
+        if urgency not in pb.Urgency.values():
+            await refuse(context, InvalidRequest(f"unknown urgency {urgency}"))
         given = None if urgency == pb.URGENCY_UNSPECIFIED else proto.urgency_from_proto(urgency)
-        try:
-            return load_pipeline(text, variables, source=source_name[:200] or "<pipeline>",
-                                 gpu_light_share=self.gpu_light_share, urgency=given,
-                                 workdir=workdir)
+        try:  # off the event loop: every other call keeps being answered meanwhile
+            async with self._parsing:
+                return await asyncio.to_thread(
+                    load_pipeline, text, variables, source=source_name[:200] or "<pipeline>",
+                    gpu_light_share=self.gpu_light_share, urgency=given, workdir=workdir)
         except PipelineError as exc:
             await refuse(context, exc)
 
@@ -177,6 +190,10 @@ class PipelineServicer(pb_grpc.PipelineServiceServicer):
 
     async def WatchRun(self, request: pb.WatchRunRequest,
                        context: Context) -> AsyncIterator[pb.WatchRunResponse]:
+        if request.after_sequence > MAX_SEQUENCE:
+            await refuse(context, OutOfRange(
+                f"after_sequence {request.after_sequence} is beyond any stream's sequence "
+                f"(at most {MAX_SEQUENCE})"))
         await self._get(request.run_id, context)
         subject = subjects.run_events(request.run_id)
         js = self.store.bus.js

@@ -20,6 +20,8 @@ import asyncio
 import hashlib
 import json
 import os
+import stat
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Final
@@ -37,6 +39,10 @@ log = get_logger()
 
 CHUNK: Final = 1024 * 1024
 MAX_TREE_FILES: Final = 100_000
+#: What one input or output may take to hash (all its files together): more, and the step
+#: is simply not cached. A device (`/dev/zero`) or a FIFO is never read at all.
+MAX_HASH_BYTES: Final = 64 * 1024**3
+MAX_HASH_S: Final = 300.0
 
 
 class OutputRecord(msgspec.Struct, frozen=True, kw_only=True):
@@ -88,27 +94,55 @@ def verdict(entry: CacheEntry | None, current: Mapping[str, str | None]) -> Cach
     return CacheHit(task_id=entry.task_id, outputs=tuple(o.path for o in entry.outputs))
 
 
-def digest_path(path: str) -> str:
-    """sha256 of a file's bytes, or of a directory's files (relative names and contents).
+class _Budget:
+    """Bytes and seconds one digest may still take; OSError once either is spent."""
 
-    Raises OSError when it cannot be read."""
+    def __init__(self, path: str, max_bytes: int, max_s: float) -> None:
+        self.path, self.left, self.deadline = path, max_bytes, time.monotonic() + max_s
+
+    def spend(self, size: int) -> None:
+        self.left -= size
+        if self.left < 0:
+            raise OSError(f"{self.path}: more than {_gib(MAX_HASH_BYTES)} to hash")
+        if time.monotonic() > self.deadline:
+            raise OSError(f"{self.path}: hashing took more than {MAX_HASH_S:.0f}s")
+
+
+def _gib(size: int) -> str:
+    return f"{size / 1024**3:g} GiB"
+
+
+def digest_path(path: str, *, max_bytes: int = MAX_HASH_BYTES,
+                max_s: float = MAX_HASH_S) -> str:
+    """sha256 of a regular file's bytes, or of a directory's regular files (relative names
+    and contents), within a budget of bytes and time.
+
+    Raises OSError when it cannot be read, is something else (a device, a FIFO, a socket:
+    reading `/dev/zero` would never end), or is over the budget."""
     target = Path(path)
-    if target.is_dir():
+    budget = _Budget(path, max_bytes, max_s)
+    mode = target.stat().st_mode
+    if stat.S_ISDIR(mode):
         tree = hashlib.sha256(b"dir\0")
         files = sorted(p for p in target.rglob("*") if p.is_file())
         if len(files) > MAX_TREE_FILES:
             raise OSError(f"{path}: more than {MAX_TREE_FILES} files to hash")
         for file in files:
             tree.update(str(file.relative_to(target)).encode() + b"\0")
-            tree.update(_file_digest(file).encode())
+            tree.update(_file_digest(file, budget).encode())
         return tree.hexdigest()
-    return _file_digest(target)
+    if not stat.S_ISREG(mode):
+        raise OSError(f"{path}: not a regular file or directory")
+    return _file_digest(target, budget)
 
 
-def _file_digest(path: Path) -> str:
+def _file_digest(path: Path, budget: _Budget) -> str:
     digest = hashlib.sha256()
     with path.open("rb") as file:
+        if not stat.S_ISREG(os.fstat(file.fileno()).st_mode):  # swapped after the check
+            raise OSError(f"{path}: not a regular file")
         while chunk := file.read(CHUNK):
+            budget.spend(len(chunk))
             digest.update(chunk)
     return digest.hexdigest()
 
@@ -173,7 +207,8 @@ class Cache:
         try:
             return self._digests.of(path)
         except OSError as exc:
-            raise NotCacheable(f"{what} {path} cannot be read: {exc.strerror}") from exc
+            raise NotCacheable(f"{what} {path} cannot be hashed: "
+                               f"{exc.strerror or exc}") from exc
 
     def _upstream(self, run: RunRecord, name: str) -> dict[str, str]:
         """What a dependency contributes to the key: the content of its outputs (a step

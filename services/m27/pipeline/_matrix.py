@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 import re
 from collections.abc import Sequence
 from typing import Final
@@ -13,6 +14,11 @@ _UNSAFE: Final = re.compile(r"[^A-Za-z0-9-]+")
 MAX_NAME: Final = 100
 
 Axes = Sequence[tuple[str, Sequence[str]]]
+
+
+def size(axes: Axes) -> int:
+    """How many combinations `combinations` would make, without making them."""
+    return math.prod(len(values) for _, values in axes)
 
 
 def combinations(axes: Axes) -> list[dict[str, str]]:

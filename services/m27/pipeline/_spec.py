@@ -38,6 +38,11 @@ from m27.pipeline._yaml import PipelineError, Problem, compose, problem_at
 
 MAX_PIPELINE_BYTES: Final = 1024 * 1024
 MAX_STEPS: Final = 20_000
+#: Dependencies in the whole plan after expansion (each `depends_on` on a sweep counts
+#: every member, for every member of the depending step): bounded before they are built.
+MAX_DEPENDENCIES: Final = 200_000
+#: Unknown dependencies that get a "did you mean" (each one searches every step name).
+MAX_HINTED: Final = 50
 MAX_COMMAND_BYTES: Final = 64 * 1024
 MAX_VAR_BYTES: Final = 64 * 1024
 TENTH_TOLERANCE: Final = 1e-9
@@ -84,8 +89,10 @@ def load_pipeline(text: str, variables: Mapping[str, str] | None = None, *,
         raise PipelineError(source, problems)
     doc = DocumentReader(problems).document(root, default_name=_default_name(source))
     values = _variables(doc, dict(variables or {}), problems)
-    drafts, members = _expand(doc.steps, problems)
-    _link(doc.steps, drafts, members, problems)
+    expanded = _expand(doc.steps, problems)
+    if expanded is None or not _link(doc.steps, *expanded, problems):
+        raise PipelineError(source, _unique(problems))  # too big to look at any further
+    drafts, members = expanded
     order = _order(drafts, doc.steps, problems)
     steps = _build(order, doc, values, members, gpu_light_share, urgency, workdir, problems)
     if problems:
@@ -133,13 +140,25 @@ def _variables(doc: RawDocument, given: dict[str, str],
     return {**defaults, **given}
 
 
-def _expand(raws: list[RawStep], problems: list[Problem]) -> tuple[list[_Draft],
-                                                                   dict[str, list[str]]]:
+def _expand(raws: list[RawStep], problems: list[Problem]
+            ) -> tuple[list[_Draft], dict[str, list[str]]] | None:
     """Drafts in file order (sweeps expanded) and each name's members (itself, or a
-    sweep's members); duplicate names are problems."""
+    sweep's members); duplicate names are problems. None (and a problem) when the sweeps
+    would expand to more than MAX_STEPS: nothing is expanded then."""
     drafts: list[_Draft] = []
     members: dict[str, list[str]] = {}
     taken: dict[str, RawStep] = {}
+    total = 0
+    for raw in raws:  # the sizes first: a matrix's product is known before it is built
+        size = _matrix.size(raw.matrix) if raw.matrix else 1
+        total += size
+        if total > MAX_STEPS:
+            axes = " × ".join(str(len(values)) for _, values in raw.matrix) or "1"
+            problems.append(problem_at(
+                raw.node, f"{raw.path}.matrix" if raw.matrix else raw.path,
+                f"the sweeps expand to more than {MAX_STEPS} steps (step `{raw.name[:100]}` "
+                f"adds {axes} = {size})", "split the sweep into several pipelines"))
+            return None
     for raw in raws:
         if raw.matrix:
             combos = _matrix.combinations(raw.matrix)
@@ -156,21 +175,27 @@ def _expand(raws: list[RawStep], problems: list[Problem]) -> tuple[list[_Draft],
             taken[name] = raw
         members[raw.name] = [d.name for d in group]
         drafts.extend(group)
-    if len(drafts) > MAX_STEPS:
-        problems.append(Problem(message=f"the sweeps expand to {len(drafts)} steps, more than "
-                                f"{MAX_STEPS}"))
-        return [], {}
     for draft in drafts:
         members.setdefault(draft.name, [draft.name])
     return drafts, members
 
 
 def _link(raws: list[RawStep], drafts: list[_Draft], members: dict[str, list[str]],
-          problems: list[Problem]) -> None:
-    """Resolve depends_on (a step, a sweep, or one member of a sweep) for every draft."""
+          problems: list[Problem]) -> bool:
+    """Resolve depends_on (a step, a sweep, or one member of a sweep) for every draft;
+    False (and a problem) when there would be more than MAX_DEPENDENCIES edges."""
     own: dict[str, set[str]] = {raw.name: set(members.get(raw.name, [])) | {raw.name}
                                 for raw in raws}
+    edges = sum(len(members.get(raw.name, ())) * sum(len(members.get(name, ()))
+                                                     for name, _ in raw.depends_on)
+                for raw in raws)
+    if edges > MAX_DEPENDENCIES:
+        problems.append(Problem(message=f"the dependencies expand to {edges} edges, more than "
+                                f"{MAX_DEPENDENCIES}", hint="depend on fewer sweep members, "
+                                "or gather a sweep's results in one step"))
+        return False
     resolved: dict[int, tuple[str, ...]] = {}
+    unknown = 0
     for raw in raws:
         deps: list[str] = []  # duplicates dropped below, keeping the first
         for name, node in raw.depends_on:
@@ -178,15 +203,18 @@ def _link(raws: list[RawStep], drafts: list[_Draft], members: dict[str, list[str
                 problems.append(problem_at(node, f"{raw.path}.depends_on",
                                            f"step `{name}` depends on itself"))
             elif name not in members:
+                unknown += 1  # hints cost a search of every name: only the first few get one
+                hint = "" if unknown > MAX_HINTED else (
+                    did_you_mean(name, [r.name for r in raws])
+                    or f"steps are: {', '.join(r.name for r in raws)}")
                 problems.append(problem_at(node, f"{raw.path}.depends_on",
-                                           f"unknown step `{name}`",
-                                           did_you_mean(name, [r.name for r in raws])
-                                           or f"steps are: {', '.join(r.name for r in raws)}"))
+                                           f"unknown step `{name}`", hint))
             else:
                 deps.extend(members[name])
         resolved[raw.index] = tuple(dict.fromkeys(deps))
     for draft in drafts:
         draft.depends_on = resolved.get(draft.raw.index, ())
+    return True
 
 
 def _order(drafts: list[_Draft], raws: list[RawStep], problems: list[Problem]) -> list[_Draft]:

@@ -45,16 +45,30 @@ class Problem(msgspec.Struct, frozen=True, kw_only=True):
         return f"{text} ({self.hint})" if self.hint else text
 
 
+#: Bounds of an error message (a hostile document can have a problem per line).
+MAX_SHOWN: Final = 50
+MAX_PROBLEM_CHARS: Final = 500
+MAX_SOURCE_CHARS: Final = 200
+
+
 class PipelineError(InvalidRequest):
-    """The pipeline cannot run; `problems` lists everything found, in file order."""
+    """The pipeline cannot run; `problems` lists everything found, in file order. The
+    message shows the first `MAX_SHOWN` problems, each cut to `MAX_PROBLEM_CHARS`."""
 
     def __init__(self, source: str, problems: Sequence[Problem]) -> None:
         self.source = source
         self.problems = tuple(sorted(problems, key=lambda p: (p.line or 0, p.column or 0)))
         count = len(self.problems)
-        lines = [p.render(source) for p in self.problems]
-        super().__init__(f"{source}: {count} problem{'s' if count != 1 else ''}:\n  "
-                         + "\n  ".join(lines))
+        lines = [_cut(p.render(source[:MAX_SOURCE_CHARS]), MAX_PROBLEM_CHARS)
+                 for p in self.problems[:MAX_SHOWN]]
+        if count > MAX_SHOWN:
+            lines.append(f"… and {count - MAX_SHOWN} more")
+        super().__init__(f"{source[:MAX_SOURCE_CHARS]}: {count} "
+                         f"problem{'s' if count != 1 else ''}:\n  " + "\n  ".join(lines))
+
+
+def _cut(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[:limit - 1] + "…"
 
 
 _CONSTRUCTOR: Final = yaml.constructor.SafeConstructor()

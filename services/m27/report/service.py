@@ -21,7 +21,7 @@ from m27.client import Client
 from m27.common import bus, events, subjects
 from m27.common.bus import Bus
 from m27.common.config import Config
-from m27.common.errors import M27Error, NotFoundError
+from m27.common.errors import M27Error, NotFoundError, Unavailable
 from m27.common.logging import bound_contextvars, get_logger
 from m27.common.model import TERMINAL_RUN_STATES, RunRecord, ServiceInfo
 from m27.common.service import ServiceRuntime
@@ -39,11 +39,11 @@ class ReportError(M27Error):
     """The report service cannot do its work (no API to ask, no directory to write to)."""
 
 
-class NoOrchestrator(ReportError):
+class NoOrchestrator(ReportError, Unavailable):
     """No orchestrator is registered yet; the event is retried until one is."""
 
 
-class RunNotFinished(ReportError):
+class RunNotFinished(ReportError, Unavailable):
     """The API does not show the run as finished yet; the event is retried."""
 
 

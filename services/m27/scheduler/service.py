@@ -22,6 +22,7 @@ from m27.common import bus as bus_module
 from m27.common import events, subjects
 from m27.common.bus import Bus
 from m27.common.errors import ConfigError
+from m27.common.ids import is_valid_task_id
 from m27.common.logging import bound_contextvars, get_logger
 from m27.common.metrics import MetricsServer
 from m27.common.model import NodeInfo
@@ -146,6 +147,8 @@ class Scheduler:
 
     async def on_command(self, msg: Msg) -> None:
         command = bus_module.decode_or_poison(msg.data, events.decode_scheduler_command)
+        if not is_valid_task_id(command.task_id):  # it names KV keys and node subjects
+            raise bus_module.PoisonMessage(f"not a task id: {command.task_id[:200]!r}")
         async with self.lock:
             with bound_contextvars(task_id=command.task_id):
                 await self._handle_command(command)

@@ -49,6 +49,7 @@ def test_every_error_class_names_a_real_grpc_status() -> None:
     (errors.BusError("x"), grpc.StatusCode.UNAVAILABLE),
     (errors.DataLoss("x"), grpc.StatusCode.DATA_LOSS),
     (errors.Internal("x"), grpc.StatusCode.INTERNAL),
+    (errors.OutOfRange("x"), grpc.StatusCode.OUT_OF_RANGE),
     (M27Error("x"), grpc.StatusCode.FAILED_PRECONDITION),
     (ValueError("a bug of ours"), grpc.StatusCode.INTERNAL),
 ])

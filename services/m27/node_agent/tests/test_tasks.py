@@ -16,6 +16,7 @@ from m27.node_agent._tasks import (
     exit_reason,
     exit_status,
     invalid_ids,
+    passed_env,
     placement_problem,
     stop_note,
     task_env,
@@ -195,3 +196,21 @@ def test_read_tail_reads_only_the_end(tmp_path: Path) -> None:
     assert tail.endswith("the end ✓\n")
     assert len(tail.encode()) <= 64
     assert read_tail(tmp_path / "missing", 64) == ""
+
+
+def test_a_step_gets_a_minimal_environment_not_the_agents_secrets() -> None:
+    agent = {"PATH": "/usr/bin", "HOME": "/home/lab", "LANG": "C.UTF-8", "LC_ALL": "C",
+             "HTTPS_PROXY": "http://proxy:3128", "NVIDIA_DRIVER_CAPABILITIES": "compute",
+             "AWS_SECRET_ACCESS_KEY": "s3cr3t", "M27_NATS_CREDS": "/etc/m27/agent.creds",
+             "GITHUB_TOKEN": "ghp_x", "WANDB_API_KEY": "w", "WANDB_PROJECT": "p",
+             "SLURM_JOB_ID": "1"}
+    passed = passed_env(agent)
+    assert sorted(passed) == ["HOME", "HTTPS_PROXY", "LANG", "LC_ALL",
+                              "NVIDIA_DRIVER_CAPABILITIES", "PATH"]
+    more = passed_env(agent, "WANDB_*, SLURM_JOB_ID")
+    assert {"WANDB_API_KEY", "WANDB_PROJECT", "SLURM_JOB_ID"} <= set(more)
+    assert "AWS_SECRET_ACCESS_KEY" not in more
+    env = env_for(start(gpu_ids=(0,), env={"M27_NODE_ID": "forged", "MINE": "1"}), passed)
+    assert env["M27_NODE_ID"] == NODE.node_id  # placement variables win over the step's
+    assert env["MINE"] == "1"
+    assert "GITHUB_TOKEN" not in env

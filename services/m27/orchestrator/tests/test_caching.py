@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import hashlib
+import os
+import socket
 from pathlib import Path
 
 import msgspec
+import pytest
 
+from m27.common.memory_bus import MemoryBus
 from m27.common.model import Resources, RunRecord, StepRecord
 from m27.orchestrator.caching import (
+    Cache,
     CacheEntry,
+    NotCacheable,
     OutputRecord,
     _Digests,
     cache_key,
@@ -66,3 +73,42 @@ def test_digests_of_files_and_directories(tmp_path: Path) -> None:
     digests = _Digests()
     assert digests.of_all([str(tmp_path / "f"), str(tmp_path / "none")])[
         str(tmp_path / "none")] is None
+
+
+# ---------------------------------------------------------------- hostile paths (issue 14)
+
+
+@pytest.mark.timeout(10)
+def test_a_device_a_fifo_or_a_socket_is_never_read(tmp_path: Path) -> None:
+    """`inputs: [/dev/zero]` used to hash forever; now it is refused without a read."""
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)  # opening it for reading would block until a writer comes
+    with socket.socket(socket.AF_UNIX) as server:
+        server.bind(str(tmp_path / "sock"))
+        for path in ("/dev/zero", "/dev/urandom", str(fifo), str(tmp_path / "sock")):
+            with pytest.raises(OSError, match="not a regular file or directory"):
+                digest_path(path)
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    (tree / "ok").write_text("1")
+    (tree / "zero").symlink_to("/dev/zero")  # inside a directory: left out, not read
+    assert digest_path(str(tree)) == digest_path(str(tree))
+
+
+def test_hashing_stops_at_its_byte_and_time_budget(tmp_path: Path) -> None:
+    big = tmp_path / "big"
+    big.write_bytes(b"x" * (3 * 1024 * 1024))
+    with pytest.raises(OSError, match="more than"):
+        digest_path(str(big), max_bytes=2 * 1024 * 1024)
+    with pytest.raises(OSError, match="took more than"):
+        digest_path(str(big), max_s=-1.0)
+    assert digest_path(str(big)) == hashlib.sha256(big.read_bytes()).hexdigest()
+
+
+def test_a_step_reading_a_device_is_simply_not_cached(tmp_path: Path) -> None:
+    step = msgspec.structs.replace(STEP, inputs=("/dev/zero",))
+    run = msgspec.structs.replace(RUN, steps=(step,), workdir=str(tmp_path))
+    cache = Cache(MemoryBus())
+    with pytest.raises(NotCacheable, match="input /dev/zero cannot be hashed: /dev/zero: not "
+                                           "a regular file"):
+        cache._key(run, step)

@@ -284,3 +284,52 @@ def test_odd_yaml_numbers_are_read_as_yaml_reads_them(field: str, expected: str 
         assert load_pipeline(text).steps
     else:
         one(problems_of(text), expected)
+
+
+# ---------------------------------------------------------------- bombs (issue 14)
+
+
+def _axis(name: str, count: int) -> str:
+    return f"{name}: [{', '.join(str(i) for i in range(count))}]"
+
+
+@pytest.mark.timeout(10)
+def test_a_matrix_bomb_is_refused_from_its_size_before_anything_is_expanded() -> None:
+    """1.6 KB, four axes of 100 values: 10^8 steps. Refused in well under a second, with
+    the product spelled out, instead of building 10^8 combinations."""
+    axes = ", ".join(_axis(n, 100) for n in "abcd")
+    text = f"pipeline:\n  - name: t\n    matrix: {{{axes}}}\n    command: echo\n"
+    assert len(text) < 2000
+    found = problems_of(text)
+    one(found, "the sweeps expand to more than 20000 steps (step `t` adds "
+               "100 × 100 × 100 × 100 = 100000000)")
+    assert len(found) == 1
+    # several sweeps that each fit but together do not
+    two = "pipeline:\n" + "".join(
+        f"  - name: s{i}\n    matrix: {{{_axis('x', 1000)}}}\n    command: echo\n"
+        for i in range(21))
+    one(problems_of(two), "the sweeps expand to more than 20000 steps (step `s20` adds 1000")
+
+
+@pytest.mark.timeout(10)
+def test_a_fan_in_bomb_is_refused_before_its_edges_are_built() -> None:
+    """500 steps each depending on a sweep of 1,000: 500,000 edges."""
+    text = ("pipeline:\n  - name: sweep\n    matrix: {" + _axis("x", 1000) + "}\n"
+            "    command: echo\n" + "".join(
+                f"  - name: gather-{i}\n    depends_on: [sweep]\n    command: echo\n"
+                for i in range(500)))
+    found = problems_of(text)
+    one(found, "the dependencies expand to 500000 edges, more than 200000")
+
+
+def test_an_error_message_stays_short_however_many_problems_there_are() -> None:
+    text = "pipeline:\n" + "".join(
+        f"  - name: s{i}\n    depends_on: [{'nope' * 50}]\n    command: echo\n"
+        for i in range(2000))
+    with pytest.raises(PipelineError) as caught:
+        load_pipeline(text, source="p" * 10_000)
+    message = str(caught.value)
+    assert len(caught.value.problems) == 2000  # all of them are kept for callers
+    assert "2000 problems" in message
+    assert message.endswith("… and 1950 more")
+    assert len(message) < 60 * 520

@@ -1,0 +1,77 @@
+"""Admission of gRPC calls: at most `limit` calls inside a server at once; the next ones are
+refused at once with RESOURCE_EXHAUSTED, a status a client can act on (back off, retry).
+
+gRPC core queues calls the application has not taken yet and, past its pending-request
+limit, cancels them with a bare CANCELLED — which is what a flood of 5,000 calls got. The
+servers raise that queue's limits (`grpc_server.SERVER_OPTIONS`) so that every call reaches
+this interceptor, which decides. Health checks are always admitted: probes must see a
+server that is busy, not one that seems dead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, Final
+
+import grpc
+
+HEALTH_PREFIX: Final = "/grpc.health.v1.Health/"
+
+Context = grpc.aio.ServicerContext[Any, Any]
+#: gRPC's stubs type handlers as the sync API's; in the aio server they are coroutines.
+Continuation = Callable[[grpc.HandlerCallDetails], Awaitable[Any]]
+
+
+class Admission(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
+    """Counts the calls in progress (streams until they end) and refuses beyond `limit`."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.active = 0
+        self.refused = 0
+
+    async def intercept_service(self, continuation: Continuation,
+                                details: grpc.HandlerCallDetails) -> Any:
+        handler: Any = await continuation(details)
+        if handler is None or details.method.startswith(HEALTH_PREFIX):
+            return handler
+        if handler.unary_unary is not None:
+            return handler._replace(unary_unary=self._single(handler.unary_unary))
+        if handler.stream_unary is not None:
+            return handler._replace(stream_unary=self._single(handler.stream_unary))
+        if handler.unary_stream is not None:
+            return handler._replace(unary_stream=self._streaming(handler.unary_stream))
+        if handler.stream_stream is not None:
+            return handler._replace(stream_stream=self._streaming(handler.stream_stream))
+        return handler
+
+    async def _admit(self, context: Context) -> None:
+        if self.active >= self.limit:
+            self.refused += 1
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"the server is handling {self.limit} calls already; retry "
+                                "in a moment")
+        self.active += 1
+
+    def _single(self, behavior: Callable[[Any, Context], Awaitable[Any]]
+                ) -> Callable[[Any, Context], Awaitable[Any]]:
+        async def admitted(request: Any, context: Context) -> Any:
+            await self._admit(context)
+            try:
+                return await behavior(request, context)
+            finally:
+                self.active -= 1
+
+        return admitted
+
+    def _streaming(self, behavior: Callable[[Any, Context], AsyncIterator[Any]]
+                   ) -> Callable[[Any, Context], AsyncIterator[Any]]:
+        async def admitted(request: Any, context: Context) -> AsyncIterator[Any]:
+            await self._admit(context)
+            try:
+                async for response in behavior(request, context):
+                    yield response
+            finally:
+                self.active -= 1
+
+        return admitted
