@@ -32,10 +32,11 @@ from rich.table import Table
 from rich.text import Text
 
 
-def console(out: TextIO, *, terminal: bool | None = None, width: int | None = None) -> Console:
+def console(out: TextIO, *, terminal: bool | None = None, width: int | None = None,
+            height: int | None = None) -> Console:
     """A console on `out`; `terminal` None: whatever `out` is (rich asks isatty)."""
-    return Console(file=out, force_terminal=terminal, width=width, highlight=False,
-                   soft_wrap=False)
+    return Console(file=out, force_terminal=terminal, width=width, height=height,
+                   highlight=False, soft_wrap=False)
 
 
 def lines(rows: Iterable[str]) -> Group:
@@ -94,9 +95,9 @@ class LiveView:
     does nothing (the caller prints lines instead)."""
 
     def __init__(self, out: TextIO, live: bool | None = None, *,
-                 width: int | None = None) -> None:
+                 width: int | None = None, height: int | None = None) -> None:
         self.live = out.isatty() if live is None else live
-        self._console = console(out, terminal=self.live, width=width)
+        self._console = console(out, terminal=self.live, width=width, height=height)
         self._live: Live | None = None
 
     def draw(self, frame: RenderableType) -> None:
@@ -105,7 +106,7 @@ class LiveView:
         if self._live is None:
             self._live = Live(frame, console=self._console, auto_refresh=False,
                               redirect_stdout=False, redirect_stderr=False,
-                              vertical_overflow="visible")
+                              vertical_overflow="ellipsis")  # taller: cut, never stale
             self._live.start(refresh=True)
         else:
             self._live.update(frame, refresh=True)

@@ -75,6 +75,16 @@ def test_a_live_view_redraws_in_place_and_leaves_no_stale_rows() -> None:
     assert screen(out.getvalue(), 40) == ["x" * 39 + "…", "short"]
 
 
+def test_a_frame_taller_than_the_terminal_is_cut_and_leaves_nothing_behind() -> None:
+    out = io.StringIO()
+    with LiveView(out, live=True, width=40, height=6) as view:
+        view.draw(lines([f"row {i}" for i in range(30)]))  # a sweep of 30 steps
+        tall = screen(out.getvalue(), 40)
+        view.draw(lines(["only", "two"]))
+    assert len(tall) <= 6  # cut to the terminal's height, so a redraw can erase it all
+    assert screen(out.getvalue(), 40) == ["only", "two"]
+
+
 def test_the_step_table_on_a_terminal_fits_its_width() -> None:
     run = apply_event(a_run(), step_event("prep", "queued", "running", 101.0,
                                           node_id="node-with-a-very-long-name-" * 3))
