@@ -54,7 +54,7 @@ def add_commands(sub: Subparsers) -> None:
     watch.add_argument("run_id", metavar="RUN")
     _add_runs(sub)
     show = add(sub, "show", "show one run: every step with its times, attempts, node, exit "
-               "code and outputs", cmd_show)
+               "code and outputs (also while the system is down)", cmd_show)
     show.add_argument("run_id", metavar="RUN")
     show.add_argument("--json", action="store_true")
     cancel = add(sub, "cancel", "stop a run's running steps (SIGTERM, then SIGKILL after a "
@@ -80,7 +80,8 @@ def _pipeline_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_runs(sub: Subparsers) -> None:
-    runs = add(sub, "runs", "list runs, newest first", cmd_runs)
+    runs = add(sub, "runs", "list runs, newest first (also while the system is down: read "
+               "from its stored data)", cmd_runs)
     runs.add_argument("--state", action="append", choices=RUN_STATES, default=[],
                       help="only runs in this state (repeatable)")
     runs.add_argument("--user", default="", help="only this user's runs")
