@@ -19,7 +19,7 @@ import sys
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from m27 import __version__
 from m27.common import logrotate, subjects
@@ -146,6 +146,23 @@ def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(data))
     os.replace(tmp, path)
+
+
+class ServiceFlags(Protocol):
+    """What a service's `flags` module offers (`m27/<service>/flags.py`)."""
+
+    @property
+    def NAME(self) -> str: ...
+
+    def build_parser(self) -> argparse.ArgumentParser: ...
+
+    def overrides(self, args: argparse.Namespace) -> Overrides: ...
+
+
+def main(flags: ServiceFlags, serve: Callable[[ServiceRuntime], Awaitable[None]]) -> None:
+    """What every service's `__main__` runs: its flags parsed, then `run_service`."""
+    args = flags.build_parser().parse_args()
+    run_service(flags.NAME, args, flags.overrides(args), serve)
 
 
 def run_service(

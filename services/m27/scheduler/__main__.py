@@ -1,18 +1,12 @@
 """`python -m m27.scheduler --nats URL`: places queued steps on nodes with room.
 
-The same three files in every service: `flags.py` (the command line), `service.py` (the
+Every service has the same three files: `flags.py` (the command line), `service.py` (the
 shell that `serve`s) and this entry point.
 """
 
-from m27.common.service import run_service
+from m27.common.service import main
 from m27.scheduler import flags
 from m27.scheduler.service import serve
 
-
-def main() -> None:
-    args = flags.build_parser().parse_args()
-    run_service(flags.NAME, args, flags.overrides(args), serve)
-
-
 if __name__ == "__main__":
-    main()
+    main(flags, serve)
