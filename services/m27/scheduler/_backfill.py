@@ -91,6 +91,24 @@ def find_lender(packer: Packer, req: Request, idle: dict[str, tuple[Running, int
     return min(options, key=lambda o: o[:3])[3] if options else None
 
 
+def lend_nodes(packer: Packer, req: Request, running: Sequence[Running]) -> list[int]:
+    """The nodes (packer indices) where a one-GPU background task `req` is likeliest to be
+    lent an idle share: those whose running tasks with a share it fits in are idle or lend
+    now, most such shares first (then node order). Nodes with none are left out."""
+    alive = {r.job.task_id for r in running}
+    lending = {r.lender for r in running if r.lender in alive}
+    count: dict[int, int] = {}
+    for r in running:
+        if (r.lender and r.lender in alive) or r.gpu_milli < req.milli or not r.gpu_ids:
+            continue
+        node = packer.index.get(r.node_id, -1)
+        if node < 0 or not packer.node_ok[node] or packer.cpu_cap[node] < req.cpu_milli:
+            continue
+        count[node] = count.get(node, 0) + (r.idle or r.job.task_id in lending)
+    nodes = [n for n, c in count.items() if c > 0]
+    return sorted(nodes, key=lambda n: (-count[n], int(packer.rank[n])))
+
+
 def lend(idle: dict[str, tuple[Running, int]], lender: Running, milli: int) -> None:
     """`milli` of `lender`'s idle share is lent now; what is left stays offered."""
     task_id = lender.job.task_id

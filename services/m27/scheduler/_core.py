@@ -76,6 +76,9 @@ class _Cycle:
         self.queued_ids = {q.job.task_id for q in queue}
         self.victims: list[_preemption.Victim] = []
         self.ready_left = settings.ready_pool
+        # backfill pool: staged so far per share asked, and in all (`_consider`)
+        self.pool: dict[int, int] = {}
+        self.pool_left = 4 * settings.backfill_pool if settings.backfill else 0
         self.running = state.running
 
     def emit(self, decision: Decision) -> None:
@@ -291,26 +294,42 @@ def _consider(cycle: _Cycle, queued: Queued, score: Score, rank: int) -> None:
     if action in ("wait", "preempt") and cycle.ready_left > 0:
         cycle.ready_left -= 1
         staged = _stage(cycle, queued, req)
+    elif (action == "wait" and job.tier == "background" and req.gpus == 1
+          and cycle.pool_left > 0
+          and cycle.pool.get(req.milli, 0) < cycle.settings.backfill_pool):
+        # Per share asked: an idle share is lent to the first task that fits it, so the
+        # first few of each size are the ones that will compute in it next.
+        cycle.pool_left -= 1
+        cycle.pool[req.milli] = cycle.pool.get(req.milli, 0) + 1
+        staged = _stage(cycle, queued, req, filler=True)
     cycle.explanations.append(Explanation(task_id=job.task_id, rank=rank, tier=job.tier,
                                           score=score, action=action, reason=reason,
                                           staged_on=staged))
 
 
-def _stage(cycle: _Cycle, queued: Queued, req: Request) -> tuple[str, ...]:
+def _stage(cycle: _Cycle, queued: Queued, req: Request,
+           filler: bool = False) -> tuple[str, ...]:
     """A ready-pool task's inputs are read ahead on the `stage_nodes` nodes it will most
     likely start on (one `Stage` each where not staged yet), so it starts warm wherever
-    capacity frees first among them."""
+    capacity frees first among them. A background task of the backfill pool (`filler`)
+    is staged where idle shares it fits are lent most (`_backfill.lend_nodes`), so the
+    idle share it is lent is computed in, not spent copying its inputs."""
     staged, count = list(queued.staged_on), cycle.settings.stage_nodes
     packer = cycle.packer
-    for index in stage_nodes(packer, req, count):
+    where = stage_nodes(packer, req, count)
+    if filler:
+        where = [*_backfill.lend_nodes(packer, req, cycle.running), *where]
+    for index in where:
         node_id = packer.nodes[index].node_id
         if len(staged) >= count:
             break
         if node_id not in staged:
             staged.append(node_id)
             cycle.emit(Stage(task_id=queued.job.task_id, node_id=node_id,
-                             reason=f"ready pool: stage inputs on {node_id}, where it "
-                             "may start first"))
+                             reason=(f"backfill pool: stage inputs on {node_id}, where "
+                                     "idle shares it fits are lent" if filler else
+                                     f"ready pool: stage inputs on {node_id}, where it "
+                                     "may start first")))
     return tuple(staged)
 
 

@@ -129,7 +129,7 @@ def _settings(config: Config) -> PolicySettings:
         preempt_grace_s=section.preempt_grace, preemption=section.preemption,
         max_fruitless_preemptions=section.max_fruitless_preemptions,
         backfill=section.backfill, ready_pool=section.ready_pool,
-        stage_nodes=section.stage_nodes,
+        stage_nodes=section.stage_nodes, backfill_pool=section.backfill_pool,
         max_pause_s=section.max_pause, peer_yield_gpu_h=section.peer_yield_gpu_hours)
 
 

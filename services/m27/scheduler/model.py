@@ -138,6 +138,11 @@ class PolicySettings(msgspec.Struct, frozen=True, kw_only=True):
     #: with the most free capacity of its kind first): it starts warm wherever capacity
     #: frees first among them. Each node reads its inputs once; 1 stages on one node only.
     stage_nodes: int = 4
+    #: How many next waiting background tasks of each GPU share asked (one GPU or less;
+    #: at most 4 × this in all) get their inputs staged where idle shares they fit are
+    #: lent (up to `stage_nodes` nodes each), so a backfill computes in the idle share it
+    #: is lent instead of copying its inputs there.
+    backfill_pool: int = 4
     #: A paused backfill is expected to resume at its lender's next I/O wait: only once
     #: paused longer than this may a waiting task preempt it for the memory it holds.
     max_pause_s: float = 600.0

@@ -288,14 +288,63 @@ def test_background_tasks_take_the_ready_pool_slots_no_immediate_task_wants() ->
     cluster = state(node("n1", 1), running=(running("a", "n1", (0,), 1000),))
     bg = [queued(f"bg{i}", 1000, at=0.0, tier="background") for i in range(3)]
     one = [queued("imm", 1000, at=5.0)]
-    staged = [d.task_id for d in decide(cluster, [*bg, *one], 10.0, PolicySettings(ready_pool=2))
+    settings = PolicySettings(ready_pool=2, backfill_pool=0)
+    staged = [d.task_id for d in decide(cluster, [*bg, *one], 10.0, settings)
               if isinstance(d, Stage)]
     assert staged == ["imm", "bg0"]
-    staged = [d.task_id for d in decide(cluster, bg, 10.0, PolicySettings(ready_pool=2))
+    staged = [d.task_id for d in decide(cluster, bg, 10.0, settings)
               if isinstance(d, Stage)]
     assert staged == ["bg0", "bg1"]
-    assert not [d for d in decide(cluster, bg, 10.0, PolicySettings(ready_pool=0))
+    assert not [d for d in decide(cluster, bg, 10.0,
+                                  PolicySettings(ready_pool=0, backfill_pool=0))
                 if isinstance(d, Stage)]
+
+
+def _staged(decisions: list[Any]) -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {}
+    for d in decisions:
+        if isinstance(d, Stage):
+            out.setdefault(d.task_id, []).append(d.node_id)
+    return out
+
+
+def test_the_backfill_pool_stages_the_first_waiting_tasks_of_each_share_asked() -> None:
+    """An idle share goes to the first waiting task that fits it: with one list in score
+    order, whole-GPU sweeps filled it while half-GPU sweeps took the idle half shares
+    unstaged and spent them copying their inputs."""
+    cluster = state(node("n1", 1), running=(running("a", "n1", (0,), 1000),))
+    whole = [queued(f"w{i}", 1000, at=float(i), tier="background") for i in range(4)]
+    half = [queued(f"h{i}", 500, at=10.0 + i, tier="background") for i in range(4)]
+    gang = [queued("g", 2000, at=0.5, tier="background")]
+    settings = PolicySettings(ready_pool=0, backfill_pool=2)
+    assert list(_staged(decide(cluster, [*whole, *gang, *half], 20.0, settings))) == [
+        "w0", "w1", "h0", "h1"]  # never a gang: it is never lent an idle share
+    assert not _staged(decide(cluster, whole, 20.0,
+                              PolicySettings(ready_pool=0, backfill_pool=0)))
+    assert not _staged(decide(cluster, whole, 20.0, PolicySettings(
+        ready_pool=0, backfill_pool=2, backfill=False)))
+    # immediate work is the ready pool's, never the backfill pool's
+    assert not _staged(decide(cluster, [queued("imm", 1000)], 20.0, settings))
+    # at most 4 × backfill_pool in all, however many sizes wait
+    sizes = [queued(f"s{m}", m, at=float(m), tier="background") for m in range(100, 1001, 100)]
+    assert len(_staged(decide(cluster, sizes, 20.0, PolicySettings(
+        ready_pool=0, backfill_pool=1)))) == 4
+    # a task already staged on `stage_nodes` nodes gets no more
+    done = [msgspec.structs.replace(q, staged_on=("n1",)) for q in whole]
+    assert not _staged(decide(cluster, done, 20.0, PolicySettings(
+        ready_pool=0, backfill_pool=2, stage_nodes=1)))
+
+
+def test_the_backfill_pool_stages_first_where_shares_it_fits_are_idle_or_lent() -> None:
+    cluster = state(node("n1", 2), node("n2", 1), node("n3", 1), node("n4", 1), running=(
+        running("a", "n2", (0,), 1000, idle=True),  # idle: lends now
+        running("b", "n3", (0,), 1000), running("t", "n3", (0,), 500, lender="b"),  # lends
+        running("c", "n4", (0,), 300, idle=True)))  # too small a share for 0.5 GPU
+    bg = [queued("bg", 500, at=0.0, tier="background", gpu_memory_mb=20_000)]  # fits nowhere
+    for count, expected in ((1, ["n2"]), (2, ["n2", "n3"]), (3, ["n2", "n3", "n1"])):
+        found = _staged(decide(cluster, bg, 20.0, PolicySettings(
+            ready_pool=0, stage_nodes=count)))
+        assert found == {"bg": expected}
 
 
 def test_a_staged_task_starts_on_its_staged_node_when_it_fits() -> None:

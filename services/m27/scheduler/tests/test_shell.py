@@ -115,14 +115,15 @@ def test_the_scheduler_section_becomes_the_policy_settings() -> None:
                                user_levels="ada:pi,bob:staff", level_weights="pi:50",
                                min_runtime=30.0, preempt_grace=5.0, backfill=False,
                                ready_pool=0, max_pause=7.0, max_temperature=70.0,
-                               peer_yield_gpu_hours=0.5)
+                               peer_yield_gpu_hours=0.5, backfill_pool=3)
     settings = policy_settings(Config(scheduler=section))
     assert settings.urgency_weight == {"low": 1.0, "normal": 2.0, "high": 3.0, "urgent": 9.0}
     assert (settings.user_levels, settings.level_weight) == (
         {"ada": "pi", "bob": "staff"}, {"pi": 50.0})
     assert (settings.min_runtime_s, settings.preempt_grace_s, settings.backfill,
             settings.ready_pool, settings.max_pause_s, settings.max_temperature_c,
-            settings.peer_yield_gpu_h) == (30.0, 5.0, False, 0, 7.0, 70.0, 0.5)
+            settings.peer_yield_gpu_h, settings.backfill_pool) == (
+                30.0, 5.0, False, 0, 7.0, 70.0, 0.5, 3)
     with pytest.raises(ValueError, match="name:value"):
         parse_map("a:1,b")
     with pytest.raises(ConfigError, match="expected name:value, got 'alice'"):
