@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import os
+import subprocess
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+
+import msgspec
 
 from m27.client import Client
 from m27.common.model import RunRecord
@@ -178,3 +181,40 @@ class TcpProxy:
         self.cut()
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(5)
+
+
+class Certificates(msgspec.Struct, frozen=True, kw_only=True):
+    """A throwaway CA, a server certificate for 127.0.0.1 and a client certificate."""
+
+    ca: Path
+    server_cert: Path
+    server_key: Path
+    client_cert: Path
+    client_key: Path
+
+
+def make_certificates(directory: Path) -> Certificates:
+    """Made with the `openssl` command line (EC P-256, valid two days)."""
+    directory.mkdir(parents=True, exist_ok=True)
+
+    def openssl(*args: str) -> None:
+        subprocess.run(["openssl", *args], cwd=directory, check=True, capture_output=True)
+
+    key = ("-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes")
+    openssl("req", "-x509", *key, "-keyout", "ca.key", "-out", "ca.pem", "-days", "2",
+            "-subj", "/CN=m27-test-ca")
+    for name, extension in (("server", "subjectAltName=IP:127.0.0.1,DNS:localhost\n"
+                                       "extendedKeyUsage=serverAuth\n"),
+                            ("client", "extendedKeyUsage=clientAuth\n")):
+        (directory / f"{name}.ext").write_text(extension)
+        openssl("req", *key, "-keyout", f"{name}.key", "-out", f"{name}.csr",
+                "-subj", f"/CN=m27-test-{name}")
+        openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
+                "-CAcreateserial", "-out", f"{name}.pem", "-days", "2",
+                "-extfile", f"{name}.ext")
+    for private in directory.glob("*.key"):
+        private.chmod(0o600)
+    return Certificates(ca=directory / "ca.pem", server_cert=directory / "server.pem",
+                        server_key=directory / "server.key",
+                        client_cert=directory / "client.pem",
+                        client_key=directory / "client.key")

@@ -170,7 +170,7 @@ async def test_a_flipped_byte_is_data_loss_and_latest_falls_back_with_an_event(
     async def on_event(msg: object) -> None:
         seen.append(events.decode_event(msg.data))  # type: ignore[attr-defined]
 
-    await bus.nc.subscribe(subjects.task_events(RUN, "train"), cb=on_event)
+    await bus.nc.subscribe(subjects.task_events_of(RUN, "train"), cb=on_event)
     try:
         with remote(proc) as store:
             good = await asyncio.to_thread(save, store, *plan(tensors(2)))

@@ -109,6 +109,10 @@ def test_the_whole_lifecycle_on_one_machine(m27: M27) -> None:
     listed = m27("runs").stdout
     assert run_id in listed
     assert failed_id in listed
+    # every service did all of this within its bus permissions (docs/security.md)
+    nats_log = (Path(m27.env["M27_HOME"]) / "nats" / "nats.log").read_text()
+    assert "Permissions Violation" not in nats_log
+    assert "Authorization Violation" not in nats_log
 
     down = m27("down")
     assert down.returncode == 0

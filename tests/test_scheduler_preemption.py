@@ -121,7 +121,8 @@ async def checkpointed_attempt(system: Cluster, run_id: str, step: str) -> int:
         assert got is not None
         record = got[0].run.step(step)
         assert record is not None
-        await bus.publish(subjects.task_events(run_id, step), events.CheckpointCommitted(
+        await bus.publish(subjects.task_events(run_id, step, subjects.CHECKPOINT_STORE_SENDER),
+                          events.CheckpointCommitted(
             at=time.time(), task_id=task_id(run_id, step), attempt=record.attempt,
             checkpoint_id="c-test"))
         deadline = time.monotonic() + 10

@@ -40,12 +40,14 @@ def build_store(root: Path, bus: NatsBus, config: Config) -> CheckpointStore:
 
     async def publish(event: events.CheckpointCorrupt) -> None:
         run_id, step = split_task_id(event.task_id)
-        await bus.publish(subjects.task_events(run_id, step), event,
+        subject = subjects.task_events(run_id, step, subjects.CHECKPOINT_STORE_SENDER)
+        await bus.publish(subject, event,
                           msg_id=f"checkpoint-corrupt:{event.checkpoint_id}:{event.chunk_id}")
 
     async def announce(event: events.CheckpointCommitted) -> None:
         run_id, step = split_task_id(event.task_id)
-        await bus.publish(subjects.task_events(run_id, step), event,
+        subject = subjects.task_events(run_id, step, subjects.CHECKPOINT_STORE_SENDER)
+        await bus.publish(subject, event,
                           msg_id=f"checkpoint-committed:{event.checkpoint_id}")
 
     return CheckpointStore(

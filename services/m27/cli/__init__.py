@@ -11,7 +11,7 @@ import sys
 from collections.abc import Sequence
 
 from m27 import __version__
-from m27.cli import _checkpoints, _cluster, _queue, _runs, _simulate, _system
+from m27.cli import _bus, _checkpoints, _cluster, _queue, _runs, _simulate, _system
 from m27.common.errors import M27Error
 from m27.common.paths import m27_home
 
@@ -29,6 +29,7 @@ typical use:
   m27 checkpoints RUN STEP     a step's checkpoints; `restore` copies one to a directory
   m27 demo                     run the bundled demo pipeline end to end
   m27 simulate --trace FILE    replay a trace under scheduling policies (simulated GPUs)
+  m27 bus credentials DIR      NATS users for a deployment (`m27 up` makes its own)
   m27 down                     stop everything (runs are kept)
 
 environment: M27_HOME (data dir), M27_CONFIG (config file, default ~/.m2config),
@@ -54,6 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     _queue.add_commands(sub)
     _checkpoints.add_commands(sub)
     _simulate.add_commands(sub)
+    _bus.add_commands(sub)
     return parser
 
 

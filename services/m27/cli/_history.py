@@ -14,10 +14,10 @@ from typing import Final, TypeVar
 import nats.errors
 import nats.js.errors
 
-from m27.cli._common import NotRunningError, with_client
+from m27.cli._common import NotRunningError, config, with_client
 from m27.client import Client
 from m27.common import subjects
-from m27.common.bus import NatsBus, connect
+from m27.common.bus import Access, NatsBus, connect
 from m27.common.errors import BusError, NotFoundError
 from m27.embedded import system
 from m27.orchestrator.store import RunStore
@@ -41,18 +41,18 @@ def read_runs(args: argparse.Namespace, online: Callable[[Client], Awaitable[T]]
     except NotRunningError:
         if args.api or system.read_state(args.home) is not None:
             raise  # another API was named, or the system is partly up: `m27 up` says how
-    with system.stored_nats(args.home) as url:
-        if url is None:
+    with system.stored_nats(args.home, config(args).nats) as stored:
+        if stored is None:
             raise NotRunningError(f"nothing is running under {args.home} and no runs are "
                                   "stored there: start the system with `m27 up`, or pass "
                                   "--api HOST:PORT / set $M27_API")
         print(f"m27 is not running: these are the runs stored under {args.home} "
               "(start it with `m27 up` to submit, cancel or retry)", file=sys.stderr)
-        return asyncio.run(_offline(url, offline))
+        return asyncio.run(_offline(*stored, offline))
 
 
-async def _offline(url: str, read: Callable[[RunStore], Awaitable[T]]) -> T:
-    bus = NatsBus(await connect(url, name="m27-cli-history"))
+async def _offline(url: str, access: Access, read: Callable[[RunStore], Awaitable[T]]) -> T:
+    bus = NatsBus(await connect(url, name="m27-cli-history", access=access))
     try:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + READY_TIMEOUT_S

@@ -7,16 +7,19 @@ import asyncio
 import json
 import sys
 import time
+from pathlib import Path
 from typing import Final
 
 import nats.errors
 
 from m27.cli import _watch
-from m27.cli._common import Subparsers, add, with_client
+from m27.cli._common import Subparsers, add, config, with_client
 from m27.client import Client
 from m27.common import subjects
 from m27.common.bus import connect
+from m27.common.config import NatsSection
 from m27.common.errors import M27Error
+from m27.common.principals import principal
 from m27.embedded import system
 
 REPORT_WAIT_S: Final = 20.0
@@ -44,7 +47,8 @@ def add_commands(sub: Subparsers) -> None:
 def cmd_up(args: argparse.Namespace) -> int:
     home = args.home
     print(f"starting m27 under {home} …", file=sys.stderr, flush=True)
-    state, started = system.up(home, nodes=args.nodes, gpus=args.gpus)
+    state, started = system.up(home, nodes=args.nodes, gpus=args.gpus,
+                               config=config(args).nats)
     print_up(state, started)
     return 0
 
@@ -72,7 +76,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         else:
             print(f"m27 is not running (home {args.home}); start it with `m27 up`")
         return 1
-    dead = dead_letters(state.nats_url)
+    dead = dead_letters(state, config(args).nats)
     if args.json:
         print(system.status_json(state, dead))
         return 0
@@ -92,10 +96,12 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0 if system.is_up(state) else 1
 
 
-def dead_letters(nats_url: str) -> int | None:
+def dead_letters(state: system.EmbeddedState, settings: NatsSection) -> int | None:
     """Messages in the dead-letter stream; None when NATS cannot be asked."""
+    who = system.access(Path(state.home), principal("status"), settings)
+
     async def count() -> int:
-        nc = await connect(nats_url, name="m27-cli-status", timeout=3.0)
+        nc = await connect(state.nats_url, name="m27-cli-status", timeout=3.0, access=who)
         try:
             info = await nc.jetstream(timeout=3.0).stream_info(subjects.DEAD_STREAM)
             return int(info.state.messages)
@@ -112,7 +118,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from m27.demo import demo_pipeline
 
     home = args.home
-    state, started = system.up(home)
+    state, started = system.up(home, config=config(args).nats)
     print_up(state, started)
     workdir = home / "demo" / time.strftime("%Y%m%d-%H%M%S")
     workdir.mkdir(parents=True, exist_ok=True)

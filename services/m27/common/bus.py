@@ -15,7 +15,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import ssl
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Final, Protocol, TypeVar
 
 import msgspec
@@ -36,9 +38,13 @@ from nats.js.api import (
 )
 from nats.js.kv import KeyValue
 
-from m27.common import events, subjects
-from m27.common.errors import BusError, M27Error, Unavailable
+from m27.common import events, principals, subjects
+from m27.common.config import NatsSection
+from m27.common.credentials import read_seed
+from m27.common.errors import BusError, ConfigError, M27Error, Unavailable
 from m27.common.logging import get_logger
+from m27.common.model import Fence
+from m27.common.principals import Principal
 
 log = get_logger()
 
@@ -61,8 +67,50 @@ class PoisonMessage(M27Error):
     """A message that can never be handled (undecodable); it is terminated, not retried."""
 
 
-async def connect(url: str, *, name: str, timeout: float = 10.0) -> NatsClient:
-    """Connect, retrying until `timeout`; BusError with the URL when NATS cannot be reached."""
+class Access(msgspec.Struct, frozen=True, kw_only=True):
+    """How a client proves who it is to NATS (docs/security.md): its nkey seed file and
+    its own reply-subject prefix (its principal's inbox), and the TLS files."""
+
+    seed_file: str = ""  # empty: anonymous
+    inbox_prefix: str = "_INBOX"
+    tls_ca: str = ""
+    tls_cert: str = ""
+    tls_key: str = ""
+
+    def tls_context(self) -> ssl.SSLContext | None:
+        """A verifying TLS context when a CA is given; ConfigError naming a bad file."""
+        if not self.tls_ca:
+            if self.tls_cert or self.tls_key:
+                raise ConfigError("[nats] tls_cert and tls_key need [nats] tls_ca as well")
+            return None
+        try:
+            context = ssl.create_default_context(cafile=self.tls_ca)
+            if self.tls_cert or self.tls_key:
+                context.load_cert_chain(self.tls_cert, self.tls_key or None)
+        except (OSError, ssl.SSLError) as exc:
+            raise ConfigError(f"NATS TLS files ({self.tls_ca}, {self.tls_cert or '-'}, "
+                              f"{self.tls_key or '-'}): {exc}") from exc
+        return context
+
+
+def access_for(config: NatsSection, who: Principal) -> Access:
+    """How `who` connects, from the `[nats]` section."""
+    return Access(seed_file=config.credentials, inbox_prefix=who.inbox,
+                  tls_ca=config.tls_ca, tls_cert=config.tls_cert, tls_key=config.tls_key)
+
+
+async def connect(url: str, *, name: str, timeout: float = 10.0,
+                  access: Access | None = None) -> NatsClient:
+    """Connect, retrying until `timeout`; BusError with the URL when NATS cannot be reached,
+    ConfigError when the credentials or TLS files cannot be used."""
+    access = access or Access()
+    secure: dict[str, object] = {"inbox_prefix": access.inbox_prefix}
+    if access.seed_file:
+        read_seed(Path(access.seed_file))  # a clear error now, not an opaque one per retry
+        secure["nkeys_seed"] = access.seed_file
+    tls = access.tls_context()
+    if tls is not None:
+        secure["tls"] = tls
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     last_error: BaseException | None = None
@@ -73,31 +121,70 @@ async def connect(url: str, *, name: str, timeout: float = 10.0) -> NatsClient:
             return  # our own close, not an outage
         log.warning("nats.disconnected", url=url)
 
+    refusal: asyncio.Future[str] = loop.create_future()
+
+    async def on_error(exc: Exception) -> None:
+        # nats-py retries a refused first connection forever and only tells error_cb
+        if _refused(exc) and not holder and not refusal.done():
+            refusal.set_result(str(exc) or type(exc).__name__)
+        await _on_error(exc)
+
     while loop.time() < deadline:
+        # nats-py keeps retrying a first connection forever when reconnects never give up,
+        # so the deadline is enforced here.
+        attempt = asyncio.ensure_future(nats.connect(
+            url,
+            name=name,
+            connect_timeout=2,
+            allow_reconnect=True,
+            max_reconnect_attempts=-1,
+            reconnect_time_wait=RECONNECT_WAIT_S,  # type: ignore[arg-type,unused-ignore]
+            ping_interval=PING_INTERVAL_S,
+            max_outstanding_pings=MAX_OUTSTANDING_PINGS,
+            error_cb=on_error,
+            disconnected_cb=on_disconnected,
+            reconnected_cb=_on_reconnected,
+            **secure,  # type: ignore[arg-type,unused-ignore]
+        ))
+        waiting: set[asyncio.Future[object]] = {attempt, refusal}  # type: ignore[arg-type]
+        await asyncio.wait(waiting, timeout=max(0.5, deadline - loop.time()),
+                           return_when=asyncio.FIRST_COMPLETED)
+        if refusal.done() and not attempt.done():
+            attempt.cancel()
+            with contextlib.suppress(BaseException):
+                await attempt
+            raise BusError(f"NATS at {url} refused {name}'s credentials "
+                           f"({_credentials(access)}): {refusal.result()}")
+        if not attempt.done():
+            attempt.cancel()
+            with contextlib.suppress(BaseException):
+                await attempt
+            last_error = TimeoutError()
+            continue
         try:
-            # nats-py keeps retrying a first connection forever when reconnects never give
-            # up, so the deadline is enforced here.
-            nc = await asyncio.wait_for(nats.connect(
-                url,
-                name=name,
-                connect_timeout=2,
-                allow_reconnect=True,
-                max_reconnect_attempts=-1,
-                reconnect_time_wait=RECONNECT_WAIT_S,  # type: ignore[arg-type,unused-ignore]
-                ping_interval=PING_INTERVAL_S,
-                max_outstanding_pings=MAX_OUTSTANDING_PINGS,
-                error_cb=_on_error,
-                disconnected_cb=on_disconnected,
-                reconnected_cb=_on_reconnected,
-            ), timeout=max(0.5, deadline - loop.time()))
-            holder.append(nc)
-            return nc
+            nc = attempt.result()
         except (TimeoutError, OSError, nats.errors.Error) as exc:
             last_error = exc
+            if _refused(exc):
+                raise BusError(f"NATS at {url} refused {name}'s credentials "
+                               f"({_credentials(access)}): {exc}") from exc
             await asyncio.sleep(0.25)
+            continue
+        holder.append(nc)
+        return nc
     reason = str(last_error) or type(last_error).__name__
     raise BusError(f"cannot reach NATS at {url} within {timeout:.0f}s ({reason}); is "
                    "nats-server running there? (`m27 up` starts one)")
+
+
+def _refused(exc: BaseException) -> bool:
+    """The server said who we are is not allowed in: retrying will not change that."""
+    text = str(exc).lower()
+    return "authorization violation" in text or "authentication" in text
+
+
+def _credentials(access: Access) -> str:
+    return f"nkey seed {access.seed_file}" if access.seed_file else "anonymous"
 
 
 async def _on_error(exc: Exception) -> None:
@@ -148,6 +235,32 @@ async def ensure_topology(js: JetStreamContext, replicas: int = 1) -> None:
                 raise
 
 
+def topology_names() -> tuple[str, ...]:
+    """Every stream the bus needs, the buckets' included (`KV_<bucket>`)."""
+    return (*(stream.name for stream in subjects.STREAMS),
+            *(f"KV_{bucket.name}" for bucket in subjects.BUCKETS))
+
+
+async def wait_for_topology(js: JetStreamContext, timeout: float) -> None:
+    """Wait until every stream and bucket exists; BusError naming the missing ones."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while True:
+        missing = []
+        for name in topology_names():
+            try:
+                await js.stream_info(name)
+            except nats.js.errors.NotFoundError:
+                missing.append(name)
+        if not missing:
+            return
+        if loop.time() >= deadline:
+            raise BusError(f"NATS has no {', '.join(missing)}: they are created with the "
+                           "admin credential (`m27 up` does it; on a deployment run "
+                           "`m27 nats setup`)")
+        await asyncio.sleep(0.5)
+
+
 class Bus(Protocol):
     """What a service's core uses of the bus: stored and core publishes, and KV buckets.
     Shells that consume streams or subscribe need the connection itself (`NatsBus`)."""
@@ -180,13 +293,21 @@ class NatsBus:
 
     @classmethod
     async def open(cls, url: str, *, name: str, timeout: float = 10.0,
-                   replicas: int = 1) -> NatsBus:
-        """Connect and make sure the streams and buckets exist."""
-        bus = cls(await connect(url, name=name, timeout=timeout))
+                   replicas: int = 1, access: Access | None = None,
+                   create: bool = False) -> NatsBus:
+        """Connect and make sure the streams and buckets exist: anonymous (a bus without
+        users) or with `create` (the admin credential), create or update them; with a
+        service's credentials, which may not change them, wait until they exist."""
+        bus = cls(await connect(url, name=name, timeout=timeout, access=access))
         try:
-            await ensure_topology(bus.js, replicas)
-        except (TimeoutError, nats.errors.Error) as exc:
+            if access is not None and access.seed_file and not create:
+                await wait_for_topology(bus.js, timeout)
+            else:
+                await ensure_topology(bus.js, replicas)
+        except (TimeoutError, nats.errors.Error, BusError) as exc:
             await bus.close()
+            if isinstance(exc, BusError):
+                raise
             raise BusError(f"NATS at {url} has no usable JetStream: {exc}") from exc
         return bus
 
@@ -403,3 +524,20 @@ def decode_or_poison(data: bytes, decode: Callable[[bytes], T]) -> T:
         return decode(data)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise PoisonMessage(f"undecodable message: {exc}") from exc
+
+
+async def task_event_or_poison(bus: Bus, subject: str, data: bytes) -> events.Event:
+    """Decode a task event and check who sent it (`principals.sender_problem`, with the
+    task's fence when a node reports on it); PoisonMessage when it cannot be what it
+    claims, so a forged report is dead-lettered instead of applied."""
+    event = decode_or_poison(data, events.decode_event)
+    fence = None
+    node_id = getattr(event, "node_id", None)
+    task_id = getattr(event, "task_id", None)
+    if subject.rsplit(".", 1)[-1].startswith("node-") and node_id and task_id:
+        got = await bus.kv_get(subjects.FENCES_BUCKET, subjects.task_key(task_id), Fence)
+        fence = got[0] if got else None
+    problem = principals.sender_problem(subject, event, fence)
+    if problem:
+        raise PoisonMessage(f"refused: {problem}")
+    return event

@@ -30,6 +30,18 @@ class NatsSection(msgspec.Struct, frozen=True, kw_only=True):
     url: str = "nats://127.0.0.1:4222"
     replicas: Annotated[int, msgspec.Meta(ge=1, le=5)] = 1  # 3 on a clustered NATS
     connect_timeout: Duration = 10.0
+    # This process's nkey seed file (docs/security.md); empty: connect anonymously, which a
+    # bus with users refuses. `m27 up` generates and passes these itself.
+    credentials: str = ""
+    # TLS: the CA that signed the server's certificate (set: connect with TLS, verify it);
+    # a client certificate and key for servers that ask for one (mutual TLS).
+    tls_ca: str = ""
+    tls_cert: str = ""
+    tls_key: str = ""
+    # The embedded server's own certificate and key (`m27 up`); with them it accepts
+    # TLS connections only, and with tls_ca set as well it verifies client certificates.
+    server_cert: str = ""
+    server_key: str = ""
 
 
 class NodeSection(msgspec.Struct, frozen=True, kw_only=True):
@@ -79,6 +91,8 @@ class SchedulerSection(msgspec.Struct, frozen=True, kw_only=True):
     ready_pool: Annotated[int, msgspec.Meta(ge=0, le=1000)] = 2
     # On how many of the nodes that could hold it a ready-pool task is read ahead.
     stage_nodes: Annotated[int, msgspec.Meta(ge=1, le=1000)] = 4
+    # Waiting background tasks per GPU share asked read ahead where idle shares are lent.
+    backfill_pool: Annotated[int, msgspec.Meta(ge=0, le=1000)] = 4
     max_pause: Duration = 600.0  # paused longer: a victim for the memory it holds
     # Least-attained-service among peers: a task that has held less than this many
     # GPU-hours may preempt a preemptible peer that has held more. 0: off.

@@ -23,12 +23,13 @@ from typing import Any, Protocol
 
 from m27 import __version__
 from m27.common import logrotate, subjects
-from m27.common.bus import NatsBus
+from m27.common.bus import NatsBus, access_for
 from m27.common.config import Config, LoadedConfig, Overrides, effective, load_config
 from m27.common.errors import M27Error
 from m27.common.grpc_server import GrpcServer, Register, start_server
 from m27.common.logging import configure, get_logger
 from m27.common.model import ServiceInfo
+from m27.common.principals import service_principal
 
 log = get_logger()
 
@@ -36,6 +37,9 @@ log = get_logger()
 def service_parser(name: str, description: str) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=f"python -m m27.{name}", description=description)
     parser.add_argument("--nats", metavar="URL", help="NATS server URL ([nats] url)")
+    parser.add_argument("--nats-credentials", metavar="FILE",
+                        help="this service's nkey seed file ([nats] credentials; "
+                        "docs/security.md)")
     parser.add_argument("--grpc", metavar="HOST:PORT", default="127.0.0.1:0",
                         help="where this service's gRPC server listens (default: %(default)s, "
                         "a free port)")
@@ -72,10 +76,13 @@ class ServiceRuntime:
         assert self.bus is not None, "connect() first"
         return self.bus
 
-    async def connect(self) -> NatsBus:
+    async def connect(self, node_id: str = "") -> NatsBus:
+        """Connect as this service's principal (a node-agent: as its node)."""
+        who = service_principal(self.name, node_id)
         self.bus = await NatsBus.open(self.config.nats.url, name=f"m27-{self.name}",
-                                  timeout=self.config.nats.connect_timeout,
-                                  replicas=self.config.nats.replicas)
+                                      timeout=self.config.nats.connect_timeout,
+                                      replicas=self.config.nats.replicas,
+                                      access=access_for(self.config.nats, who))
         log.info("nats.connected", url=self.config.nats.url)
         return self.bus
 
@@ -173,7 +180,9 @@ def run_service(
 ) -> None:
     """Load config, set up logging, run `main` until SIGTERM/SIGINT; exit 1 on a clear error."""
     try:
-        loaded = load_config(args.config, overrides={("nats", "url"): args.nats, **overrides})
+        loaded = load_config(args.config, overrides={
+            ("nats", "url"): args.nats, ("nats", "credentials"): args.nats_credentials,
+            **overrides})
         rotating = logrotate.from_environment(os.environ)
         os.environ.pop("M27_LOG_FILE", None)  # not for the processes it starts (steps)
     except M27Error as exc:

@@ -48,8 +48,27 @@ def run_report(run_id: str) -> str:
     return f"{PREFIX}.events.run.{run_id}.report"
 
 
-def task_events(run_id: str, step: str) -> str:
-    return f"{PREFIX}.events.task.{run_id}.{step}"
+#: Who sent a task event: the last token of its subject. The bus's permissions
+#: (`m27.common.principals`) let each sender publish only under its own name, so a
+#: consumer can tell a node's `task_exited` from a forged one (`principals.sender_problem`).
+SCHEDULER_SENDER: Final = "scheduler"
+CHECKPOINT_STORE_SENDER: Final = "checkpoint-store"
+
+
+def node_sender(node_id: str) -> str:
+    """A node-agent's name as a sender (and as a NATS user): `node-<node_id>`."""
+    return f"node-{node_id}"
+
+
+def task_events(run_id: str, step: str, sender: str) -> str:
+    """One task's events as `sender` publishes them (`node_sender(...)`, SCHEDULER_SENDER,
+    CHECKPOINT_STORE_SENDER)."""
+    return f"{PREFIX}.events.task.{run_id}.{step}.{sender}"
+
+
+def task_events_of(run_id: str, step: str) -> str:
+    """One task's events, whoever sent them."""
+    return f"{PREFIX}.events.task.{run_id}.{step}.>"
 
 
 def node_events(node_id: str) -> str:

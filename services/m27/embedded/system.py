@@ -7,6 +7,7 @@ its own background process on loopback, waits until each is ready, and records w
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import fcntl
 import json
@@ -18,8 +19,12 @@ from typing import Final
 
 import msgspec
 
+from m27.common.bus import Access, NatsBus, access_for
+from m27.common.config import NatsSection
+from m27.common.credentials import authorization, ensure_seeds, seed_path
 from m27.common.errors import M27Error
-from m27.embedded.nats_server import NatsServer, pid_alive, stop_process
+from m27.common.principals import Principal, deployment, principal
+from m27.embedded.nats_server import NatsServer, ServerTls, pid_alive, stop_process
 from m27.embedded.processes import ServiceProcess, launch, stop, wait_ready
 
 STATE_FILE: Final = "embedded.json"
@@ -105,7 +110,8 @@ def nvidia_gpu_count() -> int:
 
 
 def up(home: Path, *, nodes: int = 1, gpus: str | None = None,
-       log_level: str = "info") -> tuple[EmbeddedState, bool]:
+       log_level: str = "info", config: NatsSection | None = None
+       ) -> tuple[EmbeddedState, bool]:
     """Start everything (or find it running); returns (state, started_now)."""
     if nodes < 1 or nodes > 64:
         raise M27Error(f"--nodes must be between 1 and 64, got {nodes}")
@@ -116,25 +122,69 @@ def up(home: Path, *, nodes: int = 1, gpus: str | None = None,
             return current, False
         if current is not None:
             _stop_state(current)  # some part died: restart all of it cleanly
-        return _start(home, nodes, gpus, log_level), True
+        return _start(home, nodes, gpus, log_level, config or NatsSection()), True
 
 
-def _start(home: Path, nodes: int, gpus: str | None, log_level: str) -> EmbeddedState:
+def credentials_dir(home: Path) -> Path:
+    """Where `up` keeps the embedded bus's nkey seeds (0700, each file 0600)."""
+    return home / "credentials" / "nats"
+
+
+def access(home: Path, who: Principal, config: NatsSection) -> Access:
+    """How `who` connects to the embedded bus under `home`."""
+    return msgspec.structs.replace(
+        access_for(config, who), seed_file=str(seed_path(credentials_dir(home), who)))
+
+
+def embedded_server(home: Path, config: NatsSection, nodes: int) -> NatsServer:
+    """The embedded nats-server: users for every principal (seeds made if missing), TLS
+    when `[nats] server_cert` and `server_key` are set (mutual with `tls_cert` too)."""
+    keys = ensure_seeds(credentials_dir(home),
+                        deployment(f"node-{i}" for i in range(1, nodes + 1)))
+    tls = None
+    if config.server_cert or config.server_key:
+        if not (config.server_cert and config.server_key):
+            raise M27Error("[nats] server_cert and server_key go together")
+        tls = ServerTls(cert=config.server_cert, key=config.server_key,
+                        ca=config.tls_ca if config.tls_cert else "")
+    return NatsServer(home / "nats", server_name="m27-embedded",
+                      authorization=authorization(keys), tls=tls)
+
+
+def _create_topology(url: str, admin: Access) -> None:
+    async def create() -> None:
+        bus = await NatsBus.open(url, name="m27-up", access=admin, create=True)
+        await bus.close()
+
+    asyncio.run(create())
+
+
+def _start(home: Path, nodes: int, gpus: str | None, log_level: str,
+           config: NatsSection) -> EmbeddedState:
     gpu_spec, simulated = (gpus, gpus.startswith("sim")) if gpus else default_gpus()
-    nats = NatsServer(home / "nats", server_name="m27-embedded")
+    nats = embedded_server(home, config, nodes)
     nats_url = nats.start(detached=True)
     assert nats.pid is not None
+    try:
+        _create_topology(nats_url, access(home, principal("admin"), config))
+    except M27Error:
+        stop_process(nats.pid, 5)
+        raise
     log_dir = home / "logs"
     common = ["--nats", nats_url, "--log-level", log_level, "--log-json"]
-    specs: list[tuple[str, str, list[str]]] = [("orchestrator", "m27.orchestrator", []),
-             ("scheduler", "m27.scheduler", []),
-             ("checkpoint-store", "m27.checkpoint_store", []),
-             ("report", "m27.report", [])]
-    specs += [(f"node-agent-{i}", "m27.node_agent",
+    specs: list[tuple[str, str, Principal, list[str]]] = [
+        ("orchestrator", "m27.orchestrator", principal("orchestrator"), []),
+        ("scheduler", "m27.scheduler", principal("scheduler"), []),
+        ("checkpoint-store", "m27.checkpoint_store", principal("checkpoint-store"), []),
+        ("report", "m27.report", principal("report"), [])]
+    specs += [(f"node-agent-{i}", "m27.node_agent", principal("node-agent", f"node-{i}"),
                ["--node-id", f"node-{i}", "--instance", f"node-{i}", "--gpus", gpu_spec])
               for i in range(1, nodes + 1)]
-    processes = [launch(name, module, [*common, *args], log_dir=log_dir, detached=True)
-                 for name, module, args in specs]
+    seeds = credentials_dir(home)
+    processes = [launch(name, module, [*common, "--nats-credentials",
+                                       str(seed_path(seeds, who)), *args],
+                        log_dir=log_dir, detached=True)
+                 for name, module, who, args in specs]
     try:
         wait_ready(processes, timeout=START_TIMEOUT_S)
     except M27Error:
@@ -157,20 +207,23 @@ def _write_state(home: Path, state: EmbeddedState) -> None:
 
 
 @contextlib.contextmanager
-def stored_nats(home: Path) -> Iterator[str | None]:
+def stored_nats(home: Path, config: NatsSection | None = None
+                ) -> Iterator[tuple[str, Access] | None]:
     """While the system is down: a nats-server of its own on the JetStream data `up` left
-    under `home` (loopback, a free port, stopped on leaving), to read the runs kept there;
-    None when `home` holds no such data. M27Error while the system runs (ask its API)."""
+    under `home` (loopback, a free port, the same users, stopped on leaving), to read the
+    runs kept there, and the admin's access to it; None when `home` holds no such data.
+    M27Error while the system runs (ask its API)."""
+    config = config or NatsSection()
     with _locked(home):  # no `up` starts on the same store meanwhile
         if read_state(home) is not None:
             raise M27Error(f"m27 is (partly) running under {home}: ask it, or run `m27 down`")
-        nats = NatsServer(home / "nats", server_name="m27-embedded")
-        if not nats.store_dir.is_dir():
+        if not (home / "nats" / "jetstream").is_dir():
             yield None
             return
+        nats = embedded_server(home, config, nodes=0)
         url = nats.start()
         try:
-            yield url
+            yield url, access(home, principal("admin"), config)
         finally:
             nats.stop()
 

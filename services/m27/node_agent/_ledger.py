@@ -154,5 +154,6 @@ async def reap_orphan(entry: LedgerTask, node_id: str, now: float, bus: Bus) -> 
         stderr_tail=read_tail(Path(entry.stderr_path), STDERR_TAIL_BYTES))
     log.warning("task.orphan_reaped", task_id=entry.task_id, attempt=entry.attempt,
                 killed=killed, reason=event.reason)
-    await bus.publish(subjects.task_events(entry.run_id, entry.step), event,
+    subject = subjects.task_events(entry.run_id, entry.step, subjects.node_sender(node_id))
+    await bus.publish(subject, event,
                       msg_id=f"{entry.task_id}:{entry.attempt}:exited")

@@ -134,6 +134,7 @@ class TaskRunner:
         self._energy = energy
         self._cgroups = cgroups or Cgroups(None, "not checked")
         self._node = node
+        self._sender = subjects.node_sender(node.node_id)
         self._stop_grace_s = stop_grace_s
         self._environ = dict(environ)
         self._clock = clock
@@ -291,7 +292,7 @@ class TaskRunner:
         """TaskExited(started=False); the attempt counts as seen only once that is stored."""
         event = not_started_exit(cmd, self._node.node_id, paths, why, self._clock())
         log.warning("task.not_started", reason=event.reason)
-        await self._bus.publish(subjects.task_events(cmd.run_id, cmd.step), event,
+        await self._bus.publish(subjects.task_events(cmd.run_id, cmd.step, self._sender), event,
                                 msg_id=_msg_id(cmd, "exited"))
         self._ledger.remember(cmd.task_id, cmd.attempt)
         self._save_ledger()
@@ -306,7 +307,7 @@ class TaskRunner:
                 attempt=cmd.attempt, node_id=self._node.node_id, pid=task.process.pid,
                 stdout_path=str(task.paths.stdout), stderr_path=str(task.paths.stderr),
             )
-            await self._bus.publish(subjects.task_events(cmd.run_id, cmd.step), event,
+            await self._bus.publish(subjects.task_events(cmd.run_id, cmd.step, self._sender), event,
                                     msg_id=_msg_id(cmd, "started"))
             task.started_published = True
 
@@ -377,7 +378,7 @@ class TaskRunner:
 
     async def _publish_exit(self, task: RunningTask, event: TaskExited) -> None:
         await self._ensure_started_published(task)  # started always precedes exited
-        await self._bus.publish(subjects.task_events(event.run_id, event.step), event,
+        await self._bus.publish(subjects.task_events(event.run_id, event.step, self._sender), event,
                                 msg_id=_msg_id(task.cmd, "exited"))
 
     async def _retrying(self, what: str, action: Callable[[], Awaitable[None]]) -> None:

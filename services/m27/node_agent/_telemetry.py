@@ -256,7 +256,8 @@ class Telemetry:
             self._outbox.popleft()
 
     def _on_idle(self, view: RunningView, decision: IdleDecision, now: float) -> None:
-        subject = subjects.task_events(view.run_id, view.step)
+        subject = subjects.task_events(view.run_id, view.step,
+                                       subjects.node_sender(self._node_id))
         event: events.Event
         if decision.idle:
             event = events.TaskIdle(
@@ -283,7 +284,8 @@ class Telemetry:
         stamp = "" if decision.action == "stopped" else f":{now:.3f}"
         log.warning("task.over_share", task_id=view.task_id, attempt=view.attempt,
                     action=decision.action, reason=decision.reason)
-        self._queue(subjects.task_events(view.run_id, view.step), event,
+        self._queue(subjects.task_events(view.run_id, view.step,
+                                       subjects.node_sender(self._node_id)), event,
                     f"{view.task_id}:{view.attempt}:over_share:{decision.action}{stamp}")
         if decision.action == "stopped":
             try:

@@ -279,7 +279,8 @@ class NodeAgent:
                  missing=len(staged.missing), skipped=staged.skipped)
         try:
             await self._publish(
-                subjects.task_events(command.run_id, command.step), events.TaskStaged(
+                subjects.task_events(command.run_id, command.step,
+                                    subjects.node_sender(self._node_id)), events.TaskStaged(
                     at=self._clock(), task_id=command.task_id, run_id=command.run_id,
                     step=command.step, attempt=command.attempt, node_id=self._node_id,
                     files=staged.files, bytes=staged.bytes, seconds=staged.seconds,
@@ -348,9 +349,10 @@ async def serve(rt: ServiceRuntime) -> None:
     spec = gpu_spec(settings)
     check_settings(settings, rt.config.scheduler.node_timeout)
     bind_contextvars(node_id=node_id)
-    if not rt.args.instance:
-        rt.instance = node_id  # several agents on one host must not share a services key
-    bus = await rt.connect()
+    # Several agents on one host must not share a services key, the orchestrator finds an
+    # agent by its node id, and the bus lets node N write only `node-agent.N`.
+    rt.instance = node_id
+    bus = await rt.connect(node_id)
     node_api = NodeServicer(rt.home, node_id, is_running=nothing_running)
     await rt.serve_grpc([node_api.register], [NODE_SERVICE])
     backend, why = await asyncio.to_thread(open_backend, spec, node_id)

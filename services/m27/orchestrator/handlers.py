@@ -22,7 +22,7 @@ class EventHandlers:
         self.engine = engine
 
     async def on_task_event(self, msg: Msg) -> None:
-        event = bus_module.decode_or_poison(msg.data, events.decode_event)
+        event = await bus_module.task_event_or_poison(self.engine.store.bus, msg.subject, msg.data)
         if isinstance(event, events.CheckpointCommitted):
             await self._on_checkpoint(event)
             return

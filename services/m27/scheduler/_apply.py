@@ -115,7 +115,8 @@ class Effects:
         key = f"{task.task_id}:{task.attempt}"
         await self.bus.publish(subjects.node_commands(placement.node_id), start,
                                msg_id=f"{key}:start")
-        await self.bus.publish(subjects.task_events(task.run_id, task.step), events.TaskPlaced(
+        placed = subjects.task_events(task.run_id, task.step, subjects.SCHEDULER_SENDER)
+        await self.bus.publish(placed, events.TaskPlaced(
             at=now, task_id=task.task_id, run_id=task.run_id, step=task.step,
             attempt=task.attempt, node_id=placement.node_id, gpu_ids=placement.gpu_ids,
             gpu_share=share * len(placement.gpu_ids), gpu_simulated=simulated,

@@ -129,6 +129,12 @@ class Scheduler:
             return
         if not isinstance(beat, events.NodeHeartbeat):
             return
+        if msg.subject != subjects.heartbeat(beat.node_id):
+            # Each node may publish only its own heartbeat subject (m27.common.principals):
+            # a beat naming another node is forged.
+            log.warning("heartbeat.wrong_subject", subject=msg.subject[:200],
+                        node_id=beat.node_id[:200])
+            return
         node = self.nodes.get(beat.node_id)
         if node is None:
             await self.refresh_nodes()
@@ -192,7 +198,7 @@ class Scheduler:
         log.info("task.stop_sent", node_id=node_id)
 
     async def on_task_event(self, msg: Msg) -> None:
-        event = bus_module.decode_or_poison(msg.data, events.decode_event)
+        event = await bus_module.task_event_or_poison(self.bus, msg.subject, msg.data)
         if not isinstance(event, events.TaskStarted | events.TaskExited | events.TaskIdle
                           | events.TaskBusy | events.CheckpointCommitted
                           | events.TaskStaged):
@@ -317,7 +323,8 @@ class Scheduler:
         for entry in [e for e in self.entries.values()
                       if e.placement and e.placement.node_id == node_id and not e.started]:
             task = entry.task
-            await self.bus.publish(subjects.task_events(task.run_id, task.step),
+            await self.bus.publish(subjects.task_events(task.run_id, task.step,
+                                                    subjects.SCHEDULER_SENDER),
                                    events.TaskExited(
                 at=now, task_id=task.task_id, run_id=task.run_id, step=task.step,
                 attempt=task.attempt, node_id=node_id, exit_code=None, started=False,
@@ -331,7 +338,8 @@ class Scheduler:
     async def _report_lost(self, entry: TaskEntry, node_id: str, silent: float,
                            now: float) -> None:
         task = entry.task
-        await self.bus.publish(subjects.task_events(task.run_id, task.step), events.TaskExited(
+        await self.bus.publish(subjects.task_events(task.run_id, task.step,
+                                                    subjects.SCHEDULER_SENDER), events.TaskExited(
             at=now, task_id=task.task_id, run_id=task.run_id, step=task.step,
             attempt=task.attempt, node_id=node_id, exit_code=None, started=entry.started,
             cause="lost", reason=f"node {node_id} lost: no heartbeat for {silent:.0f}s"),

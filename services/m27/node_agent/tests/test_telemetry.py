@@ -110,7 +110,7 @@ async def test_an_idle_task_is_announced_once_and_busy_again_once() -> None:
         backend.set(util)
         await tel.tick([view()], now=float(len(bus.published)))
     [(subject, idle, idle_id), (_, busy, busy_id)] = bus.published
-    assert subject == subjects.task_events("r1", "train")
+    assert subject == subjects.task_events("r1", "train", subjects.node_sender("n1"))
     assert isinstance(idle, events.TaskIdle)
     assert (idle.idle_share, idle.gpu_ids, idle.reason, idle.node_id) == (
         0.5, (0,), "gpu_idle", "n1")
