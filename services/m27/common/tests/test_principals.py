@@ -8,6 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from m27.common import events, subjects
+from m27.common.memory_bus import subject_matches as matches
 from m27.common.model import Fence
 from m27.common.principals import (
     ROLES,
@@ -21,17 +22,6 @@ node_ids = st.from_regex(r"[A-Za-z0-9][A-Za-z0-9_-]{0,20}", fullmatch=True)
 NON_ADMIN = [principal(role) for role in ROLES if role not in ("admin", "node-agent")]
 NODE = principal("node-agent", "gpu-1")
 EVERYONE = [*NON_ADMIN, NODE]
-
-
-def matches(pattern: str, subject: str) -> bool:
-    """NATS subject matching: `*` is one token, `>` one or more at the end."""
-    want, have = pattern.split("."), subject.split(".")
-    for index, part in enumerate(want):
-        if part == ">":
-            return len(have) > index
-        if index >= len(have) or part not in ("*", have[index]):
-            return False
-    return len(want) == len(have)
 
 
 def may_publish(who: Principal, subject: str) -> bool:
