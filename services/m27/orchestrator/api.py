@@ -19,7 +19,14 @@ from nats.js import JetStreamContext
 from nats.js.api import ConsumerConfig, DeliverPolicy
 
 from m27.common import events, proto, subjects
-from m27.common.errors import Internal, InvalidRequest, NotFoundError, OutOfRange, Refused
+from m27.common.errors import (
+    Internal,
+    InvalidRequest,
+    NotFoundError,
+    OutOfRange,
+    Refused,
+    ResourceExhausted,
+)
 from m27.common.grpc_server import refuse
 from m27.common.hints import one_of
 from m27.common.ids import is_valid_run_id, new_run_id
@@ -27,6 +34,7 @@ from m27.common.logging import get_logger
 from m27.common.model import TERMINAL_RUN_STATES, NodeInfo, RunRecord
 from m27.orchestrator import history, runs
 from m27.orchestrator.engine import Engine
+from m27.orchestrator.parsing import in_child
 from m27.orchestrator.store import RunExistsError
 from m27.pipeline import PipelineError, PipelineSpec, Problem, load_pipeline
 from m27.pipeline.plan import capacity_problems, make_plan
@@ -39,8 +47,9 @@ SERVICE_NAME: Final = "m27.v1.PipelineService"
 MAX_USER_CHARS: Final = 100
 MAX_WORKDIR_CHARS: Final = 4096
 RESUME_IDLE_S: Final = 1.0
-#: Documents parsed and planned at once (in threads, off the event loop): a flood of
-#: submissions queues here instead of taking every core and all the memory.
+#: Documents parsed and planned at once (each in a child process with a time and memory
+#: budget, `parsing.in_child`): a flood of submissions queues here instead of taking every
+#: core and all the memory.
 PARSERS: Final = 2
 #: The highest sequence a JetStream stream can reach (a uint64 less the one added here).
 MAX_SEQUENCE: Final = 2**63 - 1
@@ -89,9 +98,12 @@ class PipelineServicer(pb_grpc.PipelineServiceServicer):
         reuse = await history.predicted_reuse(self.engine.cache, spec, request.workdir,
                                               use_cache=not request.no_cache)
         nodes = await self._nodes()
-        async with self._parsing:
-            plan = await asyncio.to_thread(make_plan, spec, durations=durations, reuse=reuse,
-                                           nodes=nodes)
+        try:
+            async with self._parsing:
+                plan = await in_child(make_plan, spec, what="planning", durations=durations,
+                                      reuse=reuse, nodes=nodes)
+        except ResourceExhausted as exc:
+            await refuse(context, exc)
         return pb.PlanPipelineResponse(plan_json=msgspec.json.encode(plan).decode())
 
     async def _load(self, text: str, variables: dict[str, str], source_name: str,
@@ -103,12 +115,13 @@ class PipelineServicer(pb_grpc.PipelineServiceServicer):
         if urgency not in pb.Urgency.values():
             await refuse(context, InvalidRequest(f"unknown urgency {urgency}"))
         given = None if urgency == pb.URGENCY_UNSPECIFIED else proto.urgency_from_proto(urgency)
-        try:  # off the event loop: every other call keeps being answered meanwhile
+        try:  # in a child with a budget: every other call keeps being answered meanwhile
             async with self._parsing:
-                return await asyncio.to_thread(
-                    load_pipeline, text, variables, source=source_name[:200] or "<pipeline>",
+                return await in_child(
+                    load_pipeline, text, variables, what="parsing",
+                    source=source_name[:200] or "<pipeline>",
                     gpu_light_share=self.gpu_light_share, urgency=given, workdir=workdir)
-        except PipelineError as exc:
+        except (PipelineError, ResourceExhausted) as exc:
             await refuse(context, exc)
 
     async def _nodes(self) -> list[NodeInfo]:
