@@ -149,16 +149,13 @@ async def connect(url: str, *, name: str, timeout: float = 10.0,
         waiting: set[asyncio.Future[object]] = {attempt, refusal}  # type: ignore[arg-type]
         await asyncio.wait(waiting, timeout=max(0.5, deadline - loop.time()),
                            return_when=asyncio.FIRST_COMPLETED)
-        if refusal.done() and not attempt.done():
-            attempt.cancel()
-            with contextlib.suppress(BaseException):
-                await attempt
-            raise BusError(f"NATS at {url} refused {name}'s credentials "
-                           f"({_credentials(access)}): {refusal.result()}")
         if not attempt.done():
             attempt.cancel()
             with contextlib.suppress(BaseException):
                 await attempt
+            if refusal.done():
+                raise BusError(f"NATS at {url} refused {name}'s credentials "
+                               f"({_credentials(access)}): {refusal.result()}")
             last_error = TimeoutError()
             continue
         try:
@@ -257,7 +254,7 @@ async def wait_for_topology(js: JetStreamContext, timeout: float) -> None:
         if loop.time() >= deadline:
             raise BusError(f"NATS has no {', '.join(missing)}: they are created with the "
                            "admin credential (`m27 up` does it; on a deployment run "
-                           "`m27 nats setup`)")
+                           "`m27 bus setup`)")
         await asyncio.sleep(0.5)
 
 
