@@ -109,6 +109,9 @@ def test_the_whole_lifecycle_on_one_machine(m27: M27) -> None:
     listed = m27("runs").stdout
     assert run_id in listed
     assert failed_id in listed
+    # no service log holds a --var value (docs/security.md)
+    logs = Path(m27.env["M27_HOME"]) / "logs"
+    assert not [p.name for p in logs.glob("*.log") if "touch pwned" in p.read_text()]
     # every service did all of this within its bus permissions (docs/security.md)
     nats_log = (Path(m27.env["M27_HOME"]) / "nats" / "nats.log").read_text()
     assert "Permissions Violation" not in nats_log

@@ -285,7 +285,7 @@ class TaskRunner:
         log.info("task.started", pid=process.pid, step=cmd.step, workdir=str(paths.workdir),
                  gpu_ids=list(cmd.gpu_ids), gpu_share=cmd.gpu_share,
                  gpu_backend=self._node.backend if cmd.gpu_ids else "none",
-                 command=cmd.command[:200])
+                 command_chars=len(cmd.command))  # not its text: it holds the --var values
         return task
 
     async def _report_not_started(self, cmd: StartTask, paths: TaskPaths, why: str) -> None:
