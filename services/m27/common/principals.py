@@ -128,7 +128,7 @@ def permissions(who: Principal) -> Permissions:
     inbox = (f"{who.inbox}.>",)
     # Every service checks at start that the streams and buckets exist (read-only).
     look = (f"{API}.STREAM.INFO.*",)
-    events, commands = subjects.EVENTS_STREAM, subjects.COMMANDS_STREAM
+    event_stream, command_stream = subjects.EVENTS_STREAM, subjects.COMMANDS_STREAM
     publish: tuple[str, ...]
     subscribe: tuple[str, ...] = inbox
     if who.role == "admin":
@@ -145,10 +145,10 @@ def permissions(who: Principal) -> Permissions:
             *kv_read(subjects.NODES_BUCKET), *kv_read(subjects.TASKS_BUCKET),
             *kv_read(subjects.MAINTENANCE_BUCKET), *kv_read(subjects.FENCES_BUCKET),
             *service_entry("orchestrator"),
-            *durable_consumer(events, subjects.ORCHESTRATOR_TASK_EVENTS,
+            *durable_consumer(event_stream, subjects.ORCHESTRATOR_TASK_EVENTS,
                               subjects.TASK_EVENTS_ALL),
-            *durable_consumer(events, subjects.ORCHESTRATOR_REPORTS, subjects.RUN_REPORT_ALL),
-            *ordered_consumers(events),
+            *durable_consumer(event_stream, subjects.ORCHESTRATOR_REPORTS, subjects.RUN_REPORT_ALL),
+            *ordered_consumers(event_stream),
         )
     elif who.role == "scheduler":
         publish = (
@@ -161,9 +161,9 @@ def permissions(who: Principal) -> Permissions:
             *kv_write(subjects.MAINTENANCE_BUCKET), *kv_read(subjects.MAINTENANCE_BUCKET),
             *kv_read(subjects.NODES_BUCKET),
             *service_entry("scheduler"),
-            *durable_consumer(commands, subjects.SCHEDULER_COMMAND_CONSUMER,
+            *durable_consumer(command_stream, subjects.SCHEDULER_COMMAND_CONSUMER,
                               subjects.SCHEDULER_COMMANDS),
-            *durable_consumer(events, subjects.SCHEDULER_TASK_EVENTS,
+            *durable_consumer(event_stream, subjects.SCHEDULER_TASK_EVENTS,
                               subjects.TASK_EVENTS_ALL),
         )
         subscribe = (*inbox, subjects.HEARTBEAT_ALL, subjects.NODE_EVENTS_ALL)
@@ -176,7 +176,7 @@ def permissions(who: Principal) -> Permissions:
             *kv_write(subjects.NODES_BUCKET, node), *kv_read(subjects.NODES_BUCKET),
             *kv_read(subjects.FENCES_BUCKET),
             *service_entry("node-agent", node),
-            *durable_consumer(commands, subjects.node_command_consumer(node),
+            *durable_consumer(command_stream, subjects.node_command_consumer(node),
                               subjects.node_commands(node)),
         )
     elif who.role == "checkpoint-store":
@@ -192,7 +192,7 @@ def permissions(who: Principal) -> Permissions:
             *look,
             subjects.RUN_REPORT_ALL,
             *service_entry("report"),
-            *durable_consumer(events, subjects.REPORT_RUN_STATE, subjects.RUN_STATE_ALL),
+            *durable_consumer(event_stream, subjects.REPORT_RUN_STATE, subjects.RUN_STATE_ALL),
         )
     return Permissions(publish=publish, subscribe=subscribe)
 
