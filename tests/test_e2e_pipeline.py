@@ -81,6 +81,18 @@ async def wait_final(stub: pb_grpc.PipelineServiceAsyncStub, run_id: str,
     raise AssertionError(f"run {run_id} did not finish: {run}")
 
 
+async def wait_step_state(stub: pb_grpc.PipelineServiceAsyncStub, run_id: str, step: str,
+                          state: int, timeout: float = 20.0) -> None:
+    """Until the orchestrator's record (not just the process) shows the step in `state`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        run = await stub.GetRun(pb.GetRunRequest(run_id=run_id))
+        if any(s.name == step and s.state == state for s in run.steps):
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"step {step} of {run_id} never reached state {state}")
+
+
 async def wait_for(predicate: object, timeout: float = 20.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -158,7 +170,7 @@ async def test_cancel_kills_the_whole_process_group_of_a_running_step(
                                                                workdir=str(tmp_path)))
     await wait_for(lambda: (tmp_path / "child.pid").exists() and (tmp_path / "shell.pid")
                    .exists())
-    await asyncio.sleep(0.2)
+    await wait_step_state(stub, reply.run_id, "long", pb.STEP_STATE_RUNNING)
     pids = [int((tmp_path / f).read_text()) for f in ("child.pid", "shell.pid")]
     assert all(pid_alive(pid) for pid in pids)
     cancelled = await stub.CancelRun(pb.CancelRunRequest(run_id=reply.run_id, reason="test"))
