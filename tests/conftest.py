@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from m27.client import Client
+from m27.common import api_auth
 from m27.embedded import NatsServer
 from m27.embedded.processes import ServiceProcess, launch, stop, wait_ready
 from tests.support import Cluster
@@ -46,6 +47,7 @@ def m27_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     config.write_text("")
     monkeypatch.setenv("M27_HOME", str(home))
     monkeypatch.setenv("M27_CONFIG", str(config))
+    api_auth.ensure_cli_token(home, api_auth.login_name())  # as `m27 up` does
     return home
 
 
@@ -79,5 +81,5 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
 @pytest.fixture
 async def client(system: Cluster) -> AsyncIterator[Client]:
     """A client of the module's `system` (each scheduling test module starts its own)."""
-    async with Client(system.api) as connected:
+    async with system.client() as connected:
         yield connected

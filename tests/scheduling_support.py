@@ -74,7 +74,7 @@ def scheduler_address(cluster: Cluster) -> str:
 
 
 async def queue(cluster: Cluster, explain: bool = False) -> list[QueueItem]:
-    async with SchedulerClient(scheduler_address(cluster)) as scheduler:
+    async with SchedulerClient(scheduler_address(cluster), access=cluster.access) as scheduler:
         return await scheduler.queue(explain=explain)
 
 
@@ -86,7 +86,7 @@ async def poll_queue(cluster: Cluster, found: Callable[[list[QueueItem]], T | No
     """The first non-empty `found(queue)`, asked of one client every 0.1 s; an assertion
     naming `what` after `timeout`."""
     deadline = time.monotonic() + timeout
-    async with SchedulerClient(scheduler_address(cluster)) as scheduler:
+    async with SchedulerClient(scheduler_address(cluster), access=cluster.access) as scheduler:
         while True:
             result = found(await scheduler.queue(explain=explain))
             if result:

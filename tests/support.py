@@ -12,9 +12,17 @@ from pathlib import Path
 import msgspec
 
 from m27.client import Client
+from m27.common import api_auth, tokens
+from m27.common.api_auth import ApiAccess, Keys
 from m27.common.model import RunRecord
 from m27.embedded import NatsServer
 from m27.embedded.processes import ServiceProcess, launch, stop, wait_ready
+
+
+def home_keys(home: Path) -> Keys:
+    """The API keys under `home` (made if missing), as a control-plane service holds them."""
+    control = api_auth.ensure_keys(api_auth.api_dir(home))
+    return Keys(control=control, node=tokens.node_key(control))
 
 
 def service_log(proc: ServiceProcess) -> str:
@@ -31,12 +39,28 @@ class Cluster:
         self.home.mkdir(parents=True, exist_ok=True)
         config = root / "m2config"
         config.write_text("")
+        token_file = api_auth.ensure_cli_token(self.home, api_auth.login_name())
+        keys = token_file.parent  # named, so a node-agent with a home of its own has them
         self.env = {**os.environ, "M27_HOME": str(self.home), "M27_CONFIG": str(config),
-                    **(env or {})}
+                    "M27_API_KEY_FILE": str(keys / api_auth.CONTROL_KEY),
+                    "M27_API_NODE_KEY_FILE": str(keys / api_auth.NODE_KEY), **(env or {})}
         self.nats = NatsServer(root / "nats")
+        #: The admin's access `m27 up` would give; `access_as` makes other users'.
+        self.access = ApiAccess(token=token_file.read_text().strip())
+        self.keys = home_keys(self.home)
         self.nodes = nodes
         self.gpus = gpus
         self.processes: dict[str, ServiceProcess] = {}
+
+    def access_as(self, user: str, role: tokens.ApiRole = "user", **scope: object) -> ApiAccess:
+        """A token for `user` in `role` (a step's: task_id=, attempt=), as an admin's
+        `m27 api token create` (or a node-agent, for node and step tokens) would sign it."""
+        return ApiAccess(token=self.keys.mint(user=user, role=role, ttl_s=0.0,
+                                              **scope))  # type: ignore[arg-type]
+
+    def client(self, access: ApiAccess | None = None) -> Client:
+        """A client of this system's API (as its admin unless `access` says otherwise)."""
+        return Client(self.api, access=access or self.access)
 
     @property
     def nats_url(self) -> str:

@@ -23,6 +23,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from m27.checkpoint_store import KvManifestIndex
 from m27.client.checkpoints import CHANNEL_OPTIONS, CheckpointClient, RemoteStore
 from m27.common import events, subjects
+from m27.common.api_auth import default_access
 from m27.common.bus import NatsBus
 from m27.common.checkpoint_api import (
     CheckpointCorrupt,
@@ -105,7 +106,7 @@ def remote(proc: ServiceProcess, attempt: int = 0) -> Iterator[RemoteStore]:
 
 @contextlib.asynccontextmanager
 async def stub_of(proc: ServiceProcess) -> AsyncIterator[pb_grpc.CheckpointServiceAsyncStub]:
-    async with grpc.aio.insecure_channel(proc.grpc_address, options=CHANNEL_OPTIONS) as ch:
+    async with default_access().channel(proc.grpc_address, options=CHANNEL_OPTIONS) as ch:
         yield pb_grpc.CheckpointServiceStub(ch)
 
 
@@ -371,7 +372,7 @@ def test_a_crash_mid_upload_keeps_the_previous_checkpoint(start_service: StartSe
                     time.sleep(0.5)
                 yield pb.PutChunksRequest(chunk=pb.Chunk(id=chunk_id, data=data))
 
-        with grpc.insecure_channel(first.grpc_address) as channel, \
+        with default_access().sync_channel(first.grpc_address) as channel, \
                 pytest.raises(grpc.RpcError) as caught:
             pb_grpc.CheckpointServiceStub(channel).PutChunks(trickle(), timeout=30)
         assert caught.value.code() == Code.UNAVAILABLE
@@ -408,7 +409,7 @@ def test_blobs_through_put_bytes_and_the_size_limit(start_service: StartService,
 
 async def test_the_async_client(start_service: StartService, tmp_path: Path) -> None:
     proc = start_service("checkpoint_store", "--root", str(tmp_path / "ckpt"))
-    async with grpc.aio.insecure_channel(proc.grpc_address, options=CHANNEL_OPTIONS) as ch:
+    async with default_access().channel(proc.grpc_address, options=CHANNEL_OPTIONS) as ch:
         client = CheckpointClient(ch, timeout_s=30)
         stored = await client.put_bytes(TASK, b"state" * 1000, attempt=0, name="x")
         got, data = await client.get_bytes(TASK)
@@ -419,7 +420,7 @@ async def test_the_async_client(start_service: StartService, tmp_path: Path) -> 
 async def test_reflection_lists_the_service_and_health_is_serving(
         start_service: StartService, tmp_path: Path) -> None:
     proc = start_service("checkpoint_store", "--root", str(tmp_path / "ckpt"))
-    async with grpc.aio.insecure_channel(proc.grpc_address) as channel:
+    async with default_access().channel(proc.grpc_address) as channel:
         health = health_pb2_grpc.HealthStub(channel)
         reply = await health.Check(
             health_pb2.HealthCheckRequest(service="m27.v1.CheckpointService"), timeout=10)

@@ -33,7 +33,7 @@ AGENT_KEY = subjects.service_key("node-agent", "node-1")
 
 @pytest.fixture
 async def client(cluster: Cluster) -> AsyncIterator[Client]:
-    async with Client(cluster.api) as connected:
+    async with cluster.client() as connected:
         yield connected
 
 
@@ -108,7 +108,7 @@ async def test_each_node_agent_serves_its_own_logs(client: Client, cluster: Clus
     finally:
         await bus.close()
     assert got is not None
-    async with grpc.aio.insecure_channel(got[0].grpc_address) as channel:
+    async with cluster.access_as("orchestrator", "node").channel(got[0].grpc_address) as channel:
         stub = pb_grpc.NodeServiceStub(channel)
         chunks = [c async for c in stub.TailLog(pb.TailLogRequest(
             task_id=f"{run_id}/a", attempt=1, stream="stdout"))]
@@ -146,7 +146,7 @@ async def test_unknown_runs_and_steps_are_not_found(client: Client, cluster: Clu
     run_id = await client.submit("pipeline:\n  - {name: train, command: 'true'}\n",
                                  workdir=str(tmp_path))
     await until_state(client, run_id, "train", {"succeeded"})
-    async with grpc.aio.insecure_channel(cluster.api) as channel:
+    async with cluster.access.channel(cluster.api) as channel:
         stub = pb_grpc.ClusterServiceStub(channel)
         for request in (pb.StreamLogsRequest(run_id="r-20000101-000000-000000", step="x"),
                         pb.StreamLogsRequest(run_id=run_id, step="trian"),
@@ -241,7 +241,8 @@ async def test_the_cli_prints_nodes_and_logs(client: Client, m27: M27, tmp_path:
 
 
 def test_the_cli_says_clearly_when_the_api_is_down(cluster: Cluster) -> None:
-    env = {**cluster.env, "M27_HOME": str(cluster.root / "nowhere")}
+    env = {**cluster.env, "M27_HOME": str(cluster.root / "nowhere"),
+           "M27_TOKEN": str(cluster.access.token)}  # a valid token: the API is what is missing
     env.pop("M27_API", None)
     done = subprocess.run([sys.executable, "-m", "m27.cli", "--api", "127.0.0.1:1", "nodes"],
                           env=env, capture_output=True, text=True, timeout=60)

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 
-from m27.client import Client
 from m27.embedded.nats_server import pid_alive
 from m27.embedded.processes import wait_ready
 from tests.support import Cluster
@@ -48,8 +47,8 @@ def restart(cluster: Cluster, name: str, module: str) -> None:
     wait_ready([cluster.launch(name, module)])
 
 
-async def state_of(api: str, run_id: str, step: str) -> str:
-    async with Client(api) as client:
+async def state_of(cluster: Cluster, run_id: str, step: str) -> str:
+    async with cluster.client() as client:
         found = (await client.get_run(run_id)).step(step)
         return found.state if found else "?"
 
@@ -61,10 +60,10 @@ async def test_killing_orchestrator_and_scheduler_mid_run_loses_and_repeats_noth
     work = tmp_path / "work"
     work.mkdir()
     try:
-        async with Client(cluster.api) as client:
+        async with cluster.client() as client:
             run_id = await client.submit(PIPELINE, workdir=str(work))
         deadline = time.monotonic() + 30
-        while await state_of(cluster.api, run_id, "b") != "running":
+        while await state_of(cluster, run_id, "b") != "running":
             assert time.monotonic() < deadline, cluster.logs()
             await asyncio.sleep(0.05)
         kill(cluster, "orchestrator")
@@ -76,7 +75,7 @@ async def test_killing_orchestrator_and_scheduler_mid_run_loses_and_repeats_noth
         kill(cluster, "orchestrator")  # and once more, right after coming back
         restart(cluster, "scheduler", "m27.scheduler")
         restart(cluster, "orchestrator", "m27.orchestrator")
-        async with Client(cluster.api) as client:
+        async with cluster.client() as client:
             deadline = time.monotonic() + 60
             while (run := await client.get_run(run_id)).state not in {"succeeded", "failed"}:
                 assert time.monotonic() < deadline, cluster.logs()

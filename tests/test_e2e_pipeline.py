@@ -66,7 +66,7 @@ async def event_log(cluster: Cluster) -> AsyncIterator[EventLog]:
 
 @pytest.fixture
 async def stub(cluster: Cluster) -> AsyncIterator[pb_grpc.PipelineServiceAsyncStub]:
-    async with grpc.aio.insecure_channel(cluster.api) as channel:
+    async with cluster.access.channel(cluster.api) as channel:
         yield pb_grpc.PipelineServiceStub(channel)
 
 
@@ -230,7 +230,9 @@ async def test_list_runs_newest_first(stub: pb_grpc.PipelineServiceAsyncStub) ->
 
 async def test_every_service_serves_health_and_reflection(cluster: Cluster) -> None:
     for name, proc in cluster.processes.items():
-        async with grpc.aio.insecure_channel(proc.grpc_address) as channel:
+        access = cluster.access_as("orchestrator", "node") if name.startswith("node-agent") \
+            else cluster.access
+        async with access.channel(proc.grpc_address) as channel:
             health = await health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=""))
             assert health.status == health_pb2.HealthCheckResponse.SERVING, name

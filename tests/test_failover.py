@@ -15,7 +15,6 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import grpc
 import pytest
 
 from m27.client import Client
@@ -179,7 +178,7 @@ async def test_a_frozen_agents_stale_attempt_is_killed_and_its_writes_refused(
         await asyncio.sleep(0.1)
     task = f"{run_id}/train"
     checkpoint_address = system.processes["checkpoint-store"].grpc_address
-    async with grpc.aio.insecure_channel(checkpoint_address) as channel:
+    async with system.access.channel(checkpoint_address) as channel:
         stale = CheckpointClient(channel)
         with pytest.raises(Exception, match=r"attempt 1 of .* is stale"):
             await stale.put_bytes(task, b"from the frozen node", attempt=1, name="late")

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
 @pytest.fixture
 async def stub(cluster: Cluster) -> AsyncIterator[Stub]:
-    async with grpc.aio.insecure_channel(cluster.api) as channel:
+    async with cluster.access.channel(cluster.api) as channel:
         yield pb_grpc.PipelineServiceStub(channel)
 
 

@@ -1,21 +1,29 @@
-"""NATS over TLS (issue 14, point 1): the embedded system with `[nats] server_cert`,
-`server_key`, `tls_ca`, `tls_cert` and `tls_key` set runs a pipeline with every
-connection on mutual TLS, and a client without TLS or without a certificate gets nothing."""
+"""NATS and the API over TLS (issue 14, points 1 and 2): the embedded system with `[nats]`
+and `[api]` certificates set runs a pipeline — a step writing a checkpoint, a report —
+with every bus connection and every gRPC call on mutual TLS, and a client without TLS or
+without a certificate gets nothing from either."""
 
 from __future__ import annotations
 
+import asyncio
 import os
+import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import pytest
 
 from m27.client import Client
+from m27.common.api_auth import ApiAccess
 from m27.common.bus import Access, connect
 from m27.common.config import load_config
 from m27.common.errors import BusError
 from m27.common.principals import principal
 from m27.embedded import system
+from m27.v1 import pipeline_pb2 as pb
+from m27.v1 import pipeline_pb2_grpc as pb_grpc
 from tests.support import finished_run, make_certificates
 
 pytestmark = pytest.mark.integration
@@ -28,7 +36,11 @@ def secured(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     config.write_text("[nats]\n"
                       f"server_cert = {certs.server_cert}\nserver_key = {certs.server_key}\n"
                       f"tls_ca = {certs.ca}\n"
-                      f"tls_cert = {certs.client_cert}\ntls_key = {certs.client_key}\n")
+                      f"tls_cert = {certs.client_cert}\ntls_key = {certs.client_key}\n"
+                      "[api]\n"
+                      f"tls_cert = {certs.server_cert}\ntls_key = {certs.server_key}\n"
+                      f"tls_client_ca = {certs.ca}\ntls_ca = {certs.ca}\n"
+                      f"client_cert = {certs.client_cert}\nclient_key = {certs.client_key}\n")
     home = tmp_path / "home"
     monkeypatch.setenv("M27_HOME", str(home))
     monkeypatch.setenv("M27_CONFIG", str(config))  # the services read it too
@@ -40,12 +52,31 @@ def secured(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
 async def test_everything_runs_over_mutual_tls_and_nothing_else_gets_in(secured: Path) -> None:
     state = system.read_state(secured)
     assert state is not None
+    step = secured / "step.py"  # a step calling the checkpoint-store, as the library does
+    step.write_text("import os\nfrom m27.client.checkpoints import RemoteStore\n"
+                    "store = RemoteStore(os.environ['M27_CHECKPOINT_STORE'])\n"
+                    "store.put_bytes(store.task_id, b'state', attempt=store.attempt)\n"
+                    "print(len(store.list(store.task_id)))\n")
     async with Client(state.api) as client:
         run_id = await client.submit(
-            "pipeline:\n  - name: hello\n    type: gpu_light\n    command: echo hi\n",
-            workdir=str(secured))
+            "pipeline:\n  - name: hello\n    type: gpu_light\n"
+            f"    command: {sys.executable} {step}\n", workdir=str(secured))
         run = await finished_run(client, run_id)
-        assert run.state == "succeeded"
+        assert run.state == "succeeded", run
+        deadline = time.monotonic() + 30
+        while not (await client.get_run(run_id)).report_path:  # report → orchestrator
+            assert time.monotonic() < deadline, "no report over TLS"
+            await asyncio.sleep(0.1)
+    assert (secured / "runs" / run_id / "logs" / "hello.1.out").read_text() == "1\n"
+    api = load_config(Path(os.environ["M27_CONFIG"])).config.api
+    token = (secured / "credentials" / "api" / "cli.token").read_text().strip()
+    for caller in (ApiAccess(token=token),  # plaintext to a TLS server
+                   ApiAccess(token=token, tls_ca=api.tls_ca)):  # no client certificate
+        async with caller.channel(state.api) as channel:
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await pb_grpc.PipelineServiceStub(channel).ListRuns(pb.ListRunsRequest(),
+                                                                    timeout=5)
+            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
     assert "tls" in (secured / "nats" / "nats.conf").read_text()
 
     settings = load_config(Path(os.environ["M27_CONFIG"])).config.nats

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.integration
 
 @pytest.fixture
 async def client(cluster: Cluster) -> AsyncIterator[Client]:
-    async with Client(cluster.api) as connected:
+    async with cluster.client() as connected:
         yield connected
 
 
@@ -237,7 +237,7 @@ async def test_unknown_ids_and_bad_arguments(client: Client, cluster: Cluster) -
     from m27.v1 import pipeline_pb2 as pb
     from m27.v1 import pipeline_pb2_grpc as pb_grpc
 
-    async with grpc.aio.insecure_channel(cluster.api) as channel:
+    async with cluster.access.channel(cluster.api) as channel:
         stub = pb_grpc.PipelineServiceStub(channel)
         with pytest.raises(grpc.aio.AioRpcError) as info:
             await stub.ListRuns(pb.ListRunsRequest(limit=5000))

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 
-from m27.client import Client
 from m27.common import events, subjects
 from m27.common.bus import NatsBus
 from m27.embedded.processes import stop, wait_ready
@@ -38,7 +37,7 @@ async def wait_until(check: object, timeout: float = 30.0) -> None:
 
 async def test_a_report_is_written_once_the_api_is_back(system: Cluster) -> None:
     stop([system.processes.pop("report")])
-    async with Client(system.api) as client:
+    async with system.client() as client:
         run_id = await client.submit("pipeline:\n  - {name: only, command: 'echo done'}\n")
 
         async def finished() -> bool:
@@ -57,7 +56,7 @@ async def test_a_report_is_written_once_the_api_is_back(system: Cluster) -> None
     assert not (system.home / "reports" / f"{run_id}.html").exists()
     orchestrator = system.launch("orchestrator", "m27.orchestrator")
     wait_ready([orchestrator])
-    async with Client(system.api) as client:
+    async with system.client() as client:
 
         async def reported() -> bool:
             return bool((await client.get_run(run_id)).report_path)

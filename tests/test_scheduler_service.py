@@ -10,7 +10,6 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from m27.client import Client
 from m27.common import events, subjects
 from m27.common.bus import NatsBus
 from m27.common.model import GpuInfo, NodeInfo
@@ -25,7 +24,7 @@ async def test_a_node_that_registers_after_the_scheduler_gets_work_at_once(
     cluster = Cluster(tmp_path, nodes=0)
     cluster.start()
     try:
-        async with Client(cluster.api) as client:
+        async with cluster.client() as client:
             run_id = await client.submit("pipeline:\n  - {name: a, type: gpu, command: 'true'}\n")
             await asyncio.sleep(1.0)
             assert (await client.get_run(run_id)).state == "queued"
@@ -53,7 +52,7 @@ async def test_a_scheduler_started_after_the_nodes_uses_them_at_once(tmp_path: P
         wait_ready(started)
         await asyncio.sleep(0.5)  # its first heartbeat is gone; the next is 8 s away
         wait_ready([cluster.launch("scheduler", "m27.scheduler")])
-        async with Client(cluster.api) as client:
+        async with cluster.client() as client:
             run_id = await client.submit("pipeline:\n  - {name: a, type: gpu, command: 'true'}\n")
             began = time.monotonic()
             while (await client.get_run(run_id)).state != "succeeded":
@@ -69,7 +68,7 @@ async def test_gpu_steps_wait_for_a_free_gpu_and_then_run(tmp_path: Path) -> Non
     try:
         text = ("pipeline:\n" + "".join(
             f"  - {{name: g{i}, type: gpu, command: 'sleep 0.3'}}\n" for i in range(3)))
-        async with Client(cluster.api) as client:
+        async with cluster.client() as client:
             run_id = await client.submit(text)
             deadline = time.monotonic() + 30
             while (run := await client.get_run(run_id)).state != "succeeded":
@@ -102,7 +101,7 @@ async def test_a_task_placed_on_a_node_that_stopped_before_starting_it_runs_else
         await bus.publish(subjects.node_events("gone"), events.NodeRegistered(
             at=now, node_id="gone", hostname="gone", backend="simulated", gpus=(gpu,),
             cpu_slots=4))
-        async with Client(cluster.api) as client:
+        async with cluster.client() as client:
             run_id = await client.submit("pipeline:\n  - {name: a, type: gpu, command: 'true'}\n")
             deadline = time.monotonic() + 10
             while (await client.get_run(run_id)).steps[0].node_id != "gone":

@@ -14,12 +14,15 @@ import grpc
 import msgspec
 
 from m27.checkpoint_store._store import CheckpointStore
+from m27.common import api_access
+from m27.common.api_auth import caller
 from m27.common.checkpoint_api import (
     CheckpointStoreError,
     InvalidCheckpointRequest,
     error_metadata,
     summary_to_proto,
 )
+from m27.common.errors import PermissionDenied
 from m27.common.grpc_server import Register, refuse
 from m27.common.logging import bound_contextvars, get_logger
 from m27.v1 import checkpoint_pb2 as pb
@@ -72,6 +75,13 @@ async def chunk_parts(requests: AsyncIterator[pb.PutChunksRequest]
         index += 1
 
 
+async def _require_scope(context: Context, task_id: str, attempt: int) -> None:
+    """A step's token writes only its own task attempt's checkpoints."""
+    problem = api_access.checkpoint_problem(caller(), task_id, attempt)
+    if problem:
+        await refuse(context, PermissionDenied(problem))
+
+
 def _json(value: msgspec.Struct) -> str:
     return msgspec.json.encode(value).decode()
 
@@ -84,6 +94,7 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
 
     async def MissingChunks(self, request: pb.MissingChunksRequest,
                             context: Context) -> pb.MissingChunksResponse:
+        await _require_scope(context, request.task_id, request.attempt)
         with bound_contextvars(task_id=logged(request.task_id)):
             try:
                 absent = await self._store.missing(request.task_id, request.attempt,
@@ -96,6 +107,10 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
                         context: Context) -> pb.PutChunksResponse:
         try:
             header = await read_header(request_iterator)
+        except Exception as exc:
+            await _fail(context, exc, "PutChunks")
+        await _require_scope(context, header.task_id, header.attempt)
+        try:
             with bound_contextvars(task_id=logged(header.task_id)):
                 result = await self._store.put_chunks(header.task_id, header.attempt,
                                                       chunk_parts(request_iterator))
@@ -108,6 +123,7 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
                                     stored_bytes=result.stored_bytes)
 
     async def Commit(self, request: pb.CommitRequest, context: Context) -> pb.CommitResponse:
+        await _require_scope(context, request.task_id, request.attempt)
         with bound_contextvars(task_id=logged(request.task_id)):
             try:
                 result = await self._store.commit(request.task_id, request.attempt,

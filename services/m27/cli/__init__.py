@@ -11,7 +11,7 @@ import sys
 from collections.abc import Sequence
 
 from m27 import __version__
-from m27.cli import _bus, _checkpoints, _cluster, _queue, _runs, _simulate, _system
+from m27.cli import _api, _bus, _checkpoints, _cluster, _queue, _runs, _simulate, _system
 from m27.common.errors import M27Error
 from m27.common.paths import m27_home
 
@@ -30,10 +30,12 @@ typical use:
   m27 demo                     run the bundled demo pipeline end to end
   m27 simulate --trace FILE    replay a trace under scheduling policies (simulated GPUs)
   m27 bus credentials DIR      NATS users for a deployment (`m27 up` makes its own)
+  m27 api token create --user alice   an API token for a lab member (docs/security.md)
   m27 down                     stop everything (runs are kept)
 
 environment: M27_HOME (data dir), M27_CONFIG (config file, default ~/.m2config),
-M27_API (orchestrator address when not using the embedded system).
+M27_API (orchestrator address when not using the embedded system), M27_TOKEN (your API
+token, instead of [client] token_file or the one `m27 up` writes).
 exit codes: 0 ok / run succeeded, 1 error / run failed, 2 bad usage, 3 run cancelled.
 """
 
@@ -56,6 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     _checkpoints.add_commands(sub)
     _simulate.add_commands(sub)
     _bus.add_commands(sub)
+    _api.add_commands(sub)
     return parser
 
 

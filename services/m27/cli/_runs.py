@@ -48,7 +48,8 @@ def add_commands(sub: Subparsers) -> None:
     _pipeline_args(submit)
     submit.add_argument("--urgency", choices=URGENCIES,
                         help="the run's priority (default: the file's `priority:`, else normal)")
-    submit.add_argument("--user", default="", help="submit as this user (default: you)")
+    submit.add_argument("--user", default="", help="submit on behalf of this user (admins "
+                        "only; default: the user your API token names)")
     submit.add_argument("--watch", action="store_true", help="follow the run until it ends")
     watch = add(sub, "watch", "follow a run live; exit 0 if it succeeds", cmd_watch)
     watch.add_argument("run_id", metavar="RUN")
@@ -84,7 +85,8 @@ def _add_runs(sub: Subparsers) -> None:
                "from its stored data)", cmd_runs)
     runs.add_argument("--state", action="append", choices=RUN_STATES, default=[],
                       help="only runs in this state (repeatable)")
-    runs.add_argument("--user", default="", help="only this user's runs")
+    runs.add_argument("--user", default="", help="only this user's runs (an admin's "
+                      "choice: others see only their own)")
     runs.add_argument("--since", default="", metavar="WHEN",
                       help="only runs submitted since: 2h, 3d, or a date like 2026-12-01")
     runs.add_argument("--limit", type=int, default=20, help="runs per page (default 20)")

@@ -27,6 +27,7 @@ from m27.client._cluster import (
     node_from_proto,
 )
 from m27.common import proto
+from m27.common.api_auth import ApiAccess, default_access
 from m27.common.errors import M27Error, NotFoundError, Unavailable
 from m27.common.grpc_server import CLIENT_OPTIONS
 from m27.common.logfiles import LogChunk
@@ -93,10 +94,13 @@ class RunEvent(msgspec.Struct, frozen=True, kw_only=True):
 class Client:
     """An async connection to one orchestrator."""
 
-    def __init__(self, address: str, *, timeout: float = 15.0) -> None:
+    def __init__(self, address: str, *, access: ApiAccess | None = None,
+                 timeout: float = 15.0) -> None:
+        """`access`: the token (and TLS) to call with; default: this user's, from
+        `$M27_TOKEN`, `[client] token_file` or the one `m27 up` wrote."""
         self.address = address
         self.timeout = timeout
-        self._channel = grpc.aio.insecure_channel(address, options=CLIENT_OPTIONS)
+        self._channel = (access or default_access()).channel(address, options=CLIENT_OPTIONS)
         self._stub = pb_grpc.PipelineServiceStub(self._channel)
 
     async def __aenter__(self) -> Client:

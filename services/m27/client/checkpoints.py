@@ -25,6 +25,7 @@ import grpc
 import msgspec
 import zstandard
 
+from m27.common.api_auth import ApiAccess, default_access
 from m27.common.checkpoint_api import (
     CheckpointCorrupt,
     CheckpointNotFound,
@@ -154,12 +155,16 @@ class RemoteStore:
     `$M27_ATTEMPT`, as the node-agent sets them); reads work for any task."""
 
     def __init__(self, address: str, *, task_id: str | None = None,
-                 attempt: int | None = None, timeout_s: float | None = 300.0) -> None:
+                 attempt: int | None = None, timeout_s: float | None = 300.0,
+                 access: ApiAccess | None = None) -> None:
+        """`access` default: `$M27_TOKEN` (a step's, set by its node-agent), else this
+        user's token (`m27.common.api_auth.user_access`)."""
         self.address = address
         self.task_id = os.environ.get("M27_TASK_ID", "") if task_id is None else task_id
         self.attempt = int(os.environ.get("M27_ATTEMPT", "0")) if attempt is None else attempt
         self._timeout = timeout_s
-        self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._channel = (access or default_access()).sync_channel(address,
+                                                                  options=CHANNEL_OPTIONS)
         self._stub = pb_grpc.CheckpointServiceStub(self._channel)
 
     def __enter__(self) -> RemoteStore:

@@ -16,6 +16,7 @@ from typing import Any, Literal
 import grpc
 import msgspec
 
+from m27.common.api_auth import ApiAccess, default_access
 from m27.common.errors import M27Error
 from m27.common.grpc_server import CLIENT_OPTIONS
 from m27.v1 import scheduler_pb2 as pb
@@ -80,10 +81,11 @@ def _item(message: pb.QueueEntry) -> QueueItem:
 
 
 class SchedulerClient:
-    def __init__(self, address: str, *, timeout: float = 15.0) -> None:
+    def __init__(self, address: str, *, access: ApiAccess | None = None,
+                 timeout: float = 15.0) -> None:
         self.address = address
         self.timeout = timeout
-        self._channel = grpc.aio.insecure_channel(address, options=CLIENT_OPTIONS)
+        self._channel = (access or default_access()).channel(address, options=CLIENT_OPTIONS)
         self._stub = pb_grpc.SchedulerServiceStub(self._channel)
 
     async def __aenter__(self) -> SchedulerClient:

@@ -126,9 +126,37 @@ class ReportSection(msgspec.Struct, frozen=True, kw_only=True):
     dir: str = ""  # empty: $M27_HOME/reports
 
 
+class ApiSection(msgspec.Struct, frozen=True, kw_only=True):
+    """The gRPC API's keys, TLS and caps (docs/security.md, "The API")."""
+
+    # The control-plane key that signs and checks API tokens (orchestrator, scheduler,
+    # checkpoint-store, report, `m27 api token`); empty: $M27_HOME/credentials/api/control.key.
+    key_file: str = ""
+    # A node-agent's key (it signs only node and step tokens); empty:
+    # $M27_HOME/credentials/api/node.key.
+    node_key_file: str = ""
+    # This server's certificate and key: set, gRPC is served over TLS only (any address);
+    # unset, only on loopback. tls_client_ca set as well: clients need a certificate it
+    # signed (mutual TLS).
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_client_ca: str = ""
+    # Calling an API (the CLI, a service calling another, a step): the CA that signed the
+    # servers' certificates (set: connect with TLS), and this side's certificate and key
+    # for servers that ask for one.
+    tls_ca: str = ""
+    client_cert: str = ""
+    client_key: str = ""
+    # The highest urgency a user of each level ([scheduler] user_levels) may ask for;
+    # a level not listed: high. Admins are not capped.
+    max_urgency: str = "student:high,staff:high,pi:urgent"
+
+
 class ClientSection(msgspec.Struct, frozen=True, kw_only=True):
     api: str = ""  # host:port of the orchestrator; empty: the embedded system's
-    user: str = ""  # empty: the login name
+    # This client's API token (a file made by `m27 api token create`); empty:
+    # $M27_HOME/credentials/api/cli.token, which `m27 up` writes. $M27_TOKEN wins over both.
+    token_file: str = ""
 
 
 class Config(msgspec.Struct, frozen=True, kw_only=True):
@@ -138,6 +166,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
     performance: PerformanceSection = PerformanceSection()
     checkpoint: CheckpointSection = CheckpointSection()
     report: ReportSection = ReportSection()
+    api: ApiSection = ApiSection()
     client: ClientSection = ClientSection()
 
 
@@ -279,6 +308,18 @@ def _describe_validation(
         value, source = raw.get(section, {}).get(key, (None, "config"))
         return f"{source}: [{section}] {key} = {value!r}: {what.lower()}"
     return f"invalid configuration: {message}"
+
+
+def parse_map(text: str) -> dict[str, str]:
+    """`a:1,b:2` → {"a": "1", "b": "2"}; blanks ignored; ValueError for an item without `:`."""
+    pairs: dict[str, str] = {}
+    for item in text.split(","):
+        name, sep, value = item.partition(":")
+        if item.strip() and not sep:
+            raise ValueError(f"expected name:value, got {item.strip()!r}")
+        if name.strip():
+            pairs[name.strip()] = value.strip()
+    return pairs
 
 
 def node_id_default() -> str:

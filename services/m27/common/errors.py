@@ -62,6 +62,18 @@ class Internal(M27Error):
     status = "INTERNAL"
 
 
+class Unauthenticated(M27Error):
+    """A call that proves no identity: no token, a damaged or foreign one, an expired one."""
+
+    status = "UNAUTHENTICATED"
+
+
+class PermissionDenied(M27Error):
+    """A known caller who may not do this (another user's run, an admin's action)."""
+
+    status = "PERMISSION_DENIED"
+
+
 class ConfigError(M27Error):
     """A configuration value is wrong; the message names the section and key."""
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Final, NoReturn
 
 import grpc
@@ -11,7 +11,11 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from m27.common.admission import Admission
+from m27.common.api_access import METHOD_ROLES
+from m27.common.api_auth import Authenticator, Keys, server_credentials
+from m27.common.config import ApiSection
 from m27.common.errors import M27Error
+from m27.common.tokens import ApiRole
 
 MAX_MESSAGE_BYTES: Final = 16 * 1024 * 1024
 #: Calls a server handles at once (streams included); the next ones are refused with
@@ -79,11 +83,19 @@ class GrpcServer:
 
 
 async def start_server(bind: str, registrations: Sequence[Register],
-                       service_names: Sequence[str], *,
-                       max_calls: int = MAX_CONCURRENT_RPCS) -> GrpcServer:
+                       service_names: Sequence[str], *, keys: Keys,
+                       api: ApiSection | None = None,
+                       max_calls: int = MAX_CONCURRENT_RPCS,
+                       method_roles: Mapping[str, frozenset[ApiRole]] = METHOD_ROLES
+                       ) -> GrpcServer:
     """Bind `bind` (`host:port`, port 0 picks a free one), add health and reflection, start;
-    at most `max_calls` calls at once (then RESOURCE_EXHAUSTED)."""
-    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[Admission(max_calls)])
+    at most `max_calls` calls at once (then RESOURCE_EXHAUSTED); every call but a health
+    check needs a token `keys` verify, over TLS or loopback as `api` says
+    (`m27.common.api_auth`)."""
+    credentials = server_credentials(bind, api or ApiSection())
+    server = grpc.aio.server(options=SERVER_OPTIONS,
+                             interceptors=[Admission(max_calls),
+                                           Authenticator(keys, table=method_roles)])
     for register in registrations:
         register(server)
     health = HealthServicer()
@@ -96,7 +108,7 @@ async def start_server(bind: str, registrations: Sequence[Register],
         server,
     )
     try:
-        port = server.add_insecure_port(bind)
+        port = server.add_secure_port(bind, credentials)
     except RuntimeError as exc:
         raise M27Error(f"cannot listen for gRPC on {bind}: {exc}") from exc
     if port == 0:

@@ -23,6 +23,7 @@ from typing import Any, Protocol
 
 from m27 import __version__
 from m27.common import logrotate, subjects
+from m27.common.api_auth import ApiAccess, Keys, load_keys, service_access
 from m27.common.bus import NatsBus, access_for
 from m27.common.config import Config, LoadedConfig, Overrides, effective, load_config
 from m27.common.errors import M27Error
@@ -30,6 +31,7 @@ from m27.common.grpc_server import GrpcServer, Register, start_server
 from m27.common.logging import configure, get_logger
 from m27.common.model import ServiceInfo
 from m27.common.principals import service_principal
+from m27.common.tokens import ApiRole
 
 log = get_logger()
 
@@ -66,6 +68,7 @@ class ServiceRuntime:
         self.stop = asyncio.Event()
         self.bus: NatsBus | None = None
         self.grpc: GrpcServer | None = None
+        self._keys: Keys | None = None
         self.started_at = time.time()
         self.failure: BaseException | None = None
         self.is_ready = False
@@ -86,9 +89,24 @@ class ServiceRuntime:
         log.info("nats.connected", url=self.config.nats.url)
         return self.bus
 
+    @property
+    def api_keys(self) -> Keys:
+        """This service's API keys (a node-agent: the node key only), read once."""
+        if self._keys is None:
+            self._keys = load_keys(self.config.api, self.home, self.name)
+        return self._keys
+
+    def api_access(self, user: str = "") -> ApiAccess:
+        """How this service calls another's API: as a `service` (control plane) or as a
+        `node` (a node-agent), with a fresh short-lived token on each call."""
+        role: ApiRole = "node" if self.api_keys.control is None else "service"
+        return service_access(self.api_keys, self.config.api, user=user or self.name,
+                              role=role)
+
     async def serve_grpc(self, registrations: Sequence[Register] = (),
                          service_names: Sequence[str] = ()) -> GrpcServer:
-        self.grpc = await start_server(self.args.grpc, registrations, service_names)
+        self.grpc = await start_server(self.args.grpc, registrations, service_names,
+                                       keys=self.api_keys, api=self.config.api)
         log.info("grpc.listening", address=self.grpc.address, services=list(service_names))
         return self.grpc
 

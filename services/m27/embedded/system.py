@@ -19,6 +19,7 @@ from typing import Final
 
 import msgspec
 
+from m27.common.api_auth import ensure_cli_token, login_name
 from m27.common.bus import Access, NatsBus, access_for
 from m27.common.config import NatsSection
 from m27.common.credentials import authorization, ensure_seeds, seed_path
@@ -162,6 +163,7 @@ def _create_topology(url: str, admin: Access) -> None:
 def _start(home: Path, nodes: int, gpus: str | None, log_level: str,
            config: NatsSection) -> EmbeddedState:
     gpu_spec, simulated = (gpus, gpus.startswith("sim")) if gpus else default_gpus()
+    ensure_cli_token(home, login_name())  # the API's keys, and the CLI's admin token
     nats = embedded_server(home, config, nodes)
     nats_url = nats.start(detached=True)
     assert nats.pid is not None

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
 
 from m27.common import subjects
+from m27.common.api_auth import ApiAccess
 from m27.common.bus import Bus
 from m27.common.checkpoint_storage import CheckpointSink
 from m27.common.events import StartTask
@@ -32,10 +33,15 @@ FILES_RESTORE_TIMEOUT_S: Final = 600.0
 FILES_FINAL_UPLOAD_TIMEOUT_S: Final = 120.0
 
 
-def remote_store(address: str, task_id: str, attempt: int) -> CheckpointSink:
-    from m27.client.checkpoints import RemoteStore  # the gRPC client, only when needed
+def remote_stores(access: ApiAccess | None = None) -> Callable[[str, str, int], CheckpointSink]:
+    """Opens the checkpoint-store at an address for a task attempt, as `access` (the
+    agent's `node` token; None: the process's own, `api_auth.default_access`)."""
+    def remote_store(address: str, task_id: str, attempt: int) -> CheckpointSink:
+        from m27.client.checkpoints import RemoteStore  # the gRPC client, only when needed
 
-    return RemoteStore(address, task_id=task_id, attempt=attempt)
+        return RemoteStore(address, task_id=task_id, attempt=attempt, access=access)
+
+    return remote_store
 
 
 @dataclass(frozen=True)
@@ -45,7 +51,8 @@ class FileCheckpoints:
 
     level: int = 3
     max_bytes: int = 64 * 1024**3
-    open_store: Callable[[str, str, int], CheckpointSink] = remote_store
+    open_store: Callable[[str, str, int], CheckpointSink] = field(
+        default_factory=remote_stores)
 
 
 class FileSync:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import os
 import signal as signals
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
@@ -58,6 +58,8 @@ class NodeContext:
     python: str
     checkpoint_store: str | None = None
     mps: bool = False  # a CUDA MPS daemon runs: shares are enforced through it
+    # A step's API credentials (its own step token; `api_auth.step_env`), by task, attempt.
+    api_env: Callable[[str, int], Mapping[str, str]] | None = None
 
 
 def task_paths(home: Path, cmd: StartTask) -> TaskPaths:
@@ -181,6 +183,8 @@ def task_env(base: Mapping[str, str], cmd: StartTask, node: NodeContext,
         env["M27_CHECKPOINT_INTERVAL"] = f"{cmd.checkpoint_interval_s:g}"
     if node.checkpoint_store:
         env["M27_CHECKPOINT_STORE"] = node.checkpoint_store
+    if node.api_env is not None:
+        env.update(node.api_env(cmd.task_id, cmd.attempt))
     return env
 
 

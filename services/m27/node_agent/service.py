@@ -28,6 +28,7 @@ from nats.aio.msg import Msg
 
 from m27 import __version__
 from m27.common import events, subjects
+from m27.common.api_auth import step_env
 from m27.common.bus import NatsBus, consume, decode_or_poison
 from m27.common.config import NodeSection
 from m27.common.logging import bind_contextvars, get_logger
@@ -35,7 +36,7 @@ from m27.common.metrics import MetricsServer
 from m27.common.model import GpuSample, NodeInfo
 from m27.common.service import ServiceRuntime
 from m27.node_agent._backends import Backend, open_backend
-from m27.node_agent._file_sync import FileCheckpoints
+from m27.node_agent._file_sync import FileCheckpoints, remote_stores
 from m27.node_agent._isolation import detect_cgroups, mps_running
 from m27.node_agent._lease import Lease, lease_path, monotonic, start_guard, stop_guard
 from m27.node_agent._runner import TaskRunner
@@ -62,7 +63,8 @@ class NodeAgent:
                  stop: asyncio.Event, home: Path, environ: Mapping[str, str] | None = None,
                  clock: Callable[[], float] = time.time,
                  overprovision: float = 1.0,
-                 files: FileCheckpoints | None = None) -> None:
+                 files: FileCheckpoints | None = None,
+                 api_env: Callable[[str, int], Mapping[str, str]] | None = None) -> None:
         self._bus = bus
         self._node_id = node_id
         self._backend = backend
@@ -77,7 +79,8 @@ class NodeAgent:
         self.cgroups = detect_cgroups(node_id)
         self.mps = mps_running(env)
         context = NodeContext(node_id=node_id, backend=backend.kind, gpus=backend.gpus,
-                              home=home, python=sys.executable, mps=self.mps)
+                              home=home, python=sys.executable, mps=self.mps,
+                              api_env=api_env)
         self.telemetry = Telemetry(
             backend, node_id, TelemetrySettings(
                 idle_threshold_pct=settings.idle_threshold_pct,
@@ -361,7 +364,10 @@ async def serve(rt: ServiceRuntime) -> None:
                       stop=rt.stop, home=rt.home,
                       overprovision=rt.config.performance.memory_overprovision,
                       files=FileCheckpoints(level=rt.config.checkpoint.compression_level,
-                                            max_bytes=rt.config.checkpoint.max_size))
+                                            max_bytes=rt.config.checkpoint.max_size,
+                                            open_store=remote_stores(rt.api_access())),
+                      api_env=lambda task, attempt: step_env(rt.api_keys, rt.config.api,
+                                                             task, attempt))
     node_api.is_running = running_check(agent.runner)
     try:
         await agent.start()

@@ -8,7 +8,6 @@ unknown run or step, FAILED_PRECONDITION for a retry that cannot happen).
 from __future__ import annotations
 
 import asyncio
-import getpass
 import time
 from collections.abc import AsyncIterator
 from typing import Final
@@ -18,12 +17,14 @@ import msgspec
 from nats.js import JetStreamContext
 from nats.js.api import ConsumerConfig, DeliverPolicy
 
-from m27.common import events, proto, subjects
+from m27.common import api_access, events, proto, subjects
+from m27.common.api_auth import caller
 from m27.common.errors import (
     Internal,
     InvalidRequest,
     NotFoundError,
     OutOfRange,
+    PermissionDenied,
     Refused,
     ResourceExhausted,
 )
@@ -32,6 +33,7 @@ from m27.common.hints import one_of
 from m27.common.ids import is_valid_run_id, new_run_id
 from m27.common.logging import get_logger
 from m27.common.model import TERMINAL_RUN_STATES, NodeInfo, RunRecord
+from m27.common.tokens import USER_NAME
 from m27.orchestrator import history, runs
 from m27.orchestrator.engine import Engine
 from m27.orchestrator.parsing import in_child
@@ -58,21 +60,32 @@ Context = grpc.aio.ServicerContext[object, object]
 
 
 class PipelineServicer(pb_grpc.PipelineServiceServicer):
-    def __init__(self, engine: Engine, gpu_light_share: float) -> None:
+    def __init__(self, engine: Engine, gpu_light_share: float,
+                 levels: api_access.Levels) -> None:
         self.engine = engine
         self.store = engine.store
         self.gpu_light_share = gpu_light_share
+        self.levels = levels
         self._parsing = asyncio.Semaphore(PARSERS)
 
     # ------------------------------------------------------------ submit and plan
 
     async def SubmitPipeline(self, request: pb.SubmitPipelineRequest,
                              context: Context) -> pb.SubmitPipelineResponse:
-        user = request.user or getpass.getuser()
-        if len(user) > MAX_USER_CHARS:
-            await refuse(context, InvalidRequest("user is too long"))
+        who = caller()
+        if request.user and not USER_NAME.fullmatch(request.user):
+            await refuse(context, InvalidRequest(
+                f"user {request.user[:MAX_USER_CHARS]!r} is not a user name (letters, digits, "
+                "_ . @ -, at most 100)"))
+        user, claimed_other = api_access.submitter(who, request.user)
+        if claimed_other:
+            await refuse(context, PermissionDenied(claimed_other))
         spec = await self._load(request.pipeline_yaml, dict(request.vars), request.source_name,
                                 request.workdir, request.urgency, context)
+        too_urgent = api_access.urgency_problem(who, [s.urgency for s in spec.steps],
+                                                self.levels)
+        if too_urgent:
+            await refuse(context, PermissionDenied(too_urgent))
         await self._check_capacity(spec, request.source_name, context)
         now = time.time()
         for _ in range(5):
@@ -148,7 +161,8 @@ class PipelineServicer(pb_grpc.PipelineServiceServicer):
 
     async def GetRun(self, request: pb.GetRunRequest,
                      context: Context) -> pb.Run:
-        return proto.run_to_proto((await self._get(request.run_id, context)).run)
+        return proto.run_to_proto((await self._get(request.run_id, context,
+                                                   acting=False)).run)
 
     async def ListRuns(self, request: pb.ListRunsRequest,
                        context: Context) -> pb.ListRunsResponse:
@@ -156,6 +170,12 @@ class PipelineServicer(pb_grpc.PipelineServiceServicer):
             query = history.Query.from_request(request)
         except ValueError as exc:
             await refuse(context, InvalidRequest(str(exc)))
+        who = caller()
+        if not who.reads_everything:  # a user lists their own runs only
+            if query.user and query.user != who.user:
+                await refuse(context, PermissionDenied(
+                    f"you are {who.user}: only an admin may list another user's runs"))
+            query = msgspec.structs.replace(query, user=who.user)
         found, token = await history.list_runs(self.store, query)
         return pb.ListRunsResponse(runs=[proto.summary_to_proto(r) for r in found],
                                    next_page_token=token)
@@ -207,7 +227,7 @@ class PipelineServicer(pb_grpc.PipelineServiceServicer):
             await refuse(context, OutOfRange(
                 f"after_sequence {request.after_sequence} is beyond any stream's sequence "
                 f"(at most {MAX_SEQUENCE})"))
-        await self._get(request.run_id, context)
+        await self._get(request.run_id, context, acting=False)
         subject = subjects.run_events(request.run_id)
         js = self.store.bus.js
         if request.after_sequence:
@@ -218,7 +238,7 @@ class PipelineServicer(pb_grpc.PipelineServiceServicer):
             sub = await js.subscribe(subject, ordered_consumer=True,
                                      deliver_policy=DeliverPolicy.NEW)
         try:
-            stored = await self._get(request.run_id, context)
+            stored = await self._get(request.run_id, context, acting=False)
             finished = stored.run.state in TERMINAL_RUN_STATES
             if not request.after_sequence:
                 yield pb.WatchRunResponse(snapshot=proto.run_to_proto(stored.run))
@@ -231,7 +251,9 @@ class PipelineServicer(pb_grpc.PipelineServiceServicer):
         finally:
             await sub.unsubscribe()
 
-    async def _get(self, run_id: str, context: Context) -> runs.StoredRun:
+    async def _get(self, run_id: str, context: Context, *,
+                   acting: bool = True) -> runs.StoredRun:
+        """The run, if the caller may see it (`acting`: change it)."""
         if not is_valid_run_id(run_id):
             await refuse(context, InvalidRequest(
                 f"not a run id: {run_id[:80]!r} (run ids look like r-20261201-081500-a1b2c3)"))
@@ -239,6 +261,9 @@ class PipelineServicer(pb_grpc.PipelineServiceServicer):
             stored, _ = await self.store.get(run_id)
         except NotFoundError:
             await refuse(context, NotFoundError(f"no run {run_id}"))
+        problem = api_access.run_problem(caller(), stored.run.user, run_id, acting=acting)
+        if problem:
+            await refuse(context, PermissionDenied(problem))
         return stored
 
 

@@ -18,9 +18,17 @@ from typing import Final, Literal, TypeVar
 import grpc
 import msgspec
 
-from m27.common import logfiles, subjects
+from m27.common import api_access, logfiles, subjects
+from m27.common.api_auth import ApiAccess, caller
 from m27.common.bus import Bus
-from m27.common.errors import InvalidRequest, M27Error, NotFoundError, Refused, Unavailable
+from m27.common.errors import (
+    InvalidRequest,
+    M27Error,
+    NotFoundError,
+    PermissionDenied,
+    Refused,
+    Unavailable,
+)
 from m27.common.grpc_server import CLIENT_OPTIONS, abort, refuse
 from m27.common.hints import one_of
 from m27.common.ids import is_valid_name, is_valid_run_id, task_id
@@ -229,9 +237,11 @@ class _Unreachable(M27Error):
 
 class ClusterServicer(pb_grpc.ClusterServiceServicer):
     def __init__(self, store: RunStore, *, node_timeout: float, home: Path,
-                 clock: Callable[[], float] = time.time,
+                 agents: ApiAccess, clock: Callable[[], float] = time.time,
                  poll_s: float = WAIT_POLL_S) -> None:
+        """`agents`: how to call node-agents (a `node` token: all they accept)."""
         self.store = store
+        self.agents = agents
         self.bus: Bus = store.bus
         self.node_timeout = node_timeout
         self.home = home
@@ -309,6 +319,9 @@ class ClusterServicer(pb_grpc.ClusterServiceServicer):
             stored, _ = await self.store.get(run_id)
         except NotFoundError:
             await refuse(context, NotFoundError(f"no run {run_id}"))
+        problem = api_access.run_problem(caller(), stored.run.user, run_id, acting=False)
+        if problem:
+            await refuse(context, PermissionDenied(problem))
         return stored.run
 
     async def _agent_address(self, node_id: str) -> str | None:
@@ -323,7 +336,7 @@ class ClusterServicer(pb_grpc.ClusterServiceServicer):
         request = pb.TailLogRequest(task_id=task_id(query.run_id, query.step),
                                     attempt=query.attempt, stream=stream_name(query.streams),
                                     follow=query.follow, tail_bytes=query.tail_bytes)
-        async with grpc.aio.insecure_channel(address, options=CLIENT_OPTIONS) as channel:
+        async with self.agents.channel(address, options=CLIENT_OPTIONS) as channel:
             call = pb_grpc.NodeServiceStub(channel).TailLog(request)
             try:
                 async for message in call:

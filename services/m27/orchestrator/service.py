@@ -6,8 +6,9 @@ runs in KV with an outbox, `engine` adds the follow-ups (cache), `api` is the gR
 
 from __future__ import annotations
 
+from m27.common import api_access, subjects
 from m27.common import bus as bus_module
-from m27.common import subjects
+from m27.common.api_auth import service_access
 from m27.common.service import ServiceRuntime
 from m27.orchestrator import cluster_api
 from m27.orchestrator.api import SERVICE_NAME, PipelineServicer
@@ -21,10 +22,14 @@ from m27.v1 import pipeline_pb2_grpc as pb_grpc
 async def serve(rt: ServiceRuntime) -> None:
     bus = await rt.connect()
     engine = Engine(RunStore(bus), Cache(bus))
-    servicer = PipelineServicer(engine, rt.config.scheduler.gpu_light_share)
+    servicer = PipelineServicer(engine, rt.config.scheduler.gpu_light_share,
+                                api_access.levels(rt.config))
     cluster = cluster_api.ClusterServicer(engine.store,
                                           node_timeout=rt.config.scheduler.node_timeout,
-                                          home=rt.home)
+                                          home=rt.home,
+                                          agents=service_access(rt.api_keys, rt.config.api,
+                                                                user="orchestrator",
+                                                                role="node"))
     await rt.serve_grpc([lambda server: pb_grpc.add_PipelineServiceServicer_to_server(
         servicer, server), cluster.register], [SERVICE_NAME, cluster_api.SERVICE_NAME])
     await engine.recover()

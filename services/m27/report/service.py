@@ -19,6 +19,7 @@ from nats.aio.msg import Msg
 
 from m27.client import Client
 from m27.common import bus, events, subjects
+from m27.common.api_auth import ApiAccess
 from m27.common.bus import Bus
 from m27.common.config import Config
 from m27.common.errors import M27Error, NotFoundError, Unavailable
@@ -54,10 +55,14 @@ def report_dir(config: Config, home: Path) -> Path:
     return path.absolute()
 
 
-async def fetch_run(address: str, run_id: str) -> RunRecord:
-    """GetRun on the orchestrator at `address` (ClientError / NotFoundError on failure)."""
-    async with Client(address) as client:
-        return await client.get_run(run_id)
+def fetcher(access: ApiAccess) -> FetchRun:
+    """GetRun on the orchestrator at an address, as `access` (the report service's own
+    `service` token); ClientError / NotFoundError on failure."""
+    async def fetch_run(address: str, run_id: str) -> RunRecord:
+        async with Client(address, access=access) as client:
+            return await client.get_run(run_id)
+
+    return fetch_run
 
 
 def write_report(run: RunRecord, path: Path, *, generated_at: float) -> int:
@@ -71,7 +76,7 @@ class Reporter:
     """Handles the run-state events of the report consumer, one at a time."""
 
     def __init__(self, nats: Bus, out_dir: Path, *, api: str = "",
-                 fetch: FetchRun = fetch_run, clock: Callable[[], float] = time.time) -> None:
+                 fetch: FetchRun, clock: Callable[[], float] = time.time) -> None:
         self._nats = nats
         self.out_dir = out_dir
         self._api = api
@@ -134,7 +139,8 @@ async def serve(rt: ServiceRuntime) -> None:
     await asyncio.to_thread(_ensure_dir, out_dir)
     await rt.connect()
     await rt.serve_grpc()
-    reporter = Reporter(rt.nats, out_dir, api=rt.args.api or "")
+    reporter = Reporter(rt.nats, out_dir, api=rt.args.api or "",
+                        fetch=fetcher(rt.api_access()))
     rt.spawn(bus.consume(rt.nats.js, stream=subjects.EVENTS_STREAM,
                          durable=subjects.REPORT_RUN_STATE, filter_subject=subjects.RUN_STATE_ALL,
                          handle=reporter.handle, stop=rt.stop), "run-state")

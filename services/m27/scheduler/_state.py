@@ -13,7 +13,7 @@ from typing import Literal
 
 import msgspec
 
-from m27.common.config import Config
+from m27.common.config import Config, parse_map
 from m27.common.errors import ConfigError, NotFoundError
 from m27.common.events import EnqueueTask
 from m27.common.model import GpuSample, NodeInfo
@@ -93,18 +93,6 @@ class NodeView(msgspec.Struct, frozen=True, kw_only=True):
 
 
 # ---------------------------------------------------------------- settings
-
-
-def parse_map(text: str) -> dict[str, str]:
-    """`a:1,b:2` → {"a": "1", "b": "2"}; blanks ignored."""
-    pairs: dict[str, str] = {}
-    for item in text.split(","):
-        name, sep, value = item.partition(":")
-        if item.strip() and not sep:
-            raise ValueError(f"expected name:value, got {item.strip()!r}")
-        if name.strip():
-            pairs[name.strip()] = value.strip()
-    return pairs
 
 
 def policy_settings(config: Config) -> PolicySettings:

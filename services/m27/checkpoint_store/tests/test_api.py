@@ -28,6 +28,7 @@ from m27.client.checkpoints import (
     RemoteStore,
     upload_batches,
 )
+from m27.common.api_auth import ApiAccess, ephemeral_keys
 from m27.common.checkpoint_api import (
     ERROR_KIND_KEY,
     ERRORS_BY_KIND,
@@ -49,6 +50,10 @@ from m27.common.checkpoint_format import CorruptChunk, Manifest, plan_entry
 from m27.common.grpc_server import GrpcServer, start_server, status_of
 from m27.v1 import checkpoint_pb2 as pb
 from m27.v1 import checkpoint_pb2_grpc as pb_grpc
+
+KEYS = ephemeral_keys()
+ADMIN = ApiAccess(token=KEYS.mint(user="tester", role="admin"))
+
 
 RUN = "r-20240101-120000-abc123"
 TASK = f"{RUN}/train"
@@ -101,7 +106,7 @@ class Boom(CheckpointStore):
 
 async def serve(store: CheckpointStore) -> GrpcServer:
     return await start_server("127.0.0.1:0", [register(CheckpointServicer(store))],
-                              [SERVICE_NAME])
+                              [SERVICE_NAME], keys=KEYS)
 
 
 @pytest.fixture
@@ -121,7 +126,7 @@ async def server(tmp_path: Path) -> AsyncIterator[GrpcServer]:
 
 @pytest.fixture
 async def stub(server: GrpcServer) -> AsyncIterator[pb_grpc.CheckpointServiceAsyncStub]:
-    async with grpc.aio.insecure_channel(server.address) as channel:
+    async with ADMIN.channel(server.address) as channel:
         yield pb_grpc.CheckpointServiceStub(channel)
 
 
@@ -206,7 +211,7 @@ async def test_commit_without_chunks_is_a_failed_precondition_of_its_own_kind(
 async def test_the_async_client_round_trips_and_raises_domain_errors(
         server: GrpcServer) -> None:
     data = b"state of the model" * 10_000
-    async with grpc.aio.insecure_channel(server.address, options=CHANNEL_OPTIONS) as channel:
+    async with ADMIN.channel(server.address, options=CHANNEL_OPTIONS) as channel:
         client = CheckpointClient(channel, timeout_s=10)
         stored = await client.put_bytes(TASK, data, attempt=2, name="step-1",
                                         metadata={"epoch": "1"})
@@ -229,7 +234,8 @@ async def test_the_async_client_round_trips_and_raises_domain_errors(
 async def test_remote_store_is_a_checkpoint_sink_from_threads(server: GrpcServer) -> None:
     """What the training library does, from worker threads: missing → put_chunks →
     commit, then latest / list / read_chunk; writes need the store's task and attempt."""
-    remote = RemoteStore(server.address, task_id=TASK, attempt=2, timeout_s=10)
+    remote = RemoteStore(server.address, task_id=TASK, attempt=2, timeout_s=10,
+                         access=ADMIN)
     try:
         manifests = [manifest_of(bytes([i]) * 5000) for i in range(3)]
 
@@ -250,11 +256,12 @@ async def test_remote_store_is_a_checkpoint_sink_from_threads(server: GrpcServer
         with pytest.raises(ChunkMissing):
             await asyncio.to_thread(remote.read_chunk, "0" * 64)
         assert await asyncio.to_thread(remote.latest, f"{RUN}/other") is None
-        reader = RemoteStore(server.address, task_id="", timeout_s=10)
+        reader = RemoteStore(server.address, task_id="", timeout_s=10, access=ADMIN)
         with pytest.raises(InvalidCheckpointRequest, match="no task to write for"):
             await asyncio.to_thread(reader.put_chunks, manifests[0][1])
         reader.close()
-        stale = RemoteStore(server.address, task_id=TASK, attempt=1, timeout_s=10)
+        stale = RemoteStore(server.address, task_id=TASK, attempt=1, timeout_s=10,
+                            access=ADMIN)
         with pytest.raises(StaleAttempt):
             await asyncio.to_thread(stale.missing, ["0" * 64])
         stale.close()
@@ -267,7 +274,7 @@ async def test_an_unexpected_error_is_internal_without_details(tmp_path: Path) -
     store = Boom(ChunkStore(tmp_path / "root"), MemoryManifestIndex())
     server = await serve(store)
     try:
-        async with grpc.aio.insecure_channel(server.address) as channel:
+        async with ADMIN.channel(server.address) as channel:
             stub = pb_grpc.CheckpointServiceStub(channel)
             with pytest.raises(grpc.aio.AioRpcError) as caught:
                 await stub.List(pb.ListRequest(task_id=TASK))
@@ -275,3 +282,31 @@ async def test_an_unexpected_error_is_internal_without_details(tmp_path: Path) -
         await server.stop(0)
     assert caught.value.code() == Code.INTERNAL
     assert caught.value.details() == INTERNAL_MESSAGE
+
+
+async def test_a_step_token_writes_only_its_own_task_attempt(server: GrpcServer) -> None:
+    """The token a node-agent hands a step: its own task attempt's checkpoints only; no
+    other task's, no other attempt's, no deleting — each refused before the store acts."""
+    def as_step(task: str, attempt: int) -> ApiAccess:
+        return ApiAccess(token=KEYS.mint(user="step-2", role="step", task_id=task,
+                                         attempt=attempt, ttl_s=0))
+
+    own = RemoteStore(server.address, task_id=TASK, attempt=2, timeout_s=10,
+                      access=as_step(TASK, 2))
+    try:
+        stored = await asyncio.to_thread(own.put_bytes, TASK, b"mine" * 100, attempt=2)
+        assert stored.attempt == 2
+        for task, attempt in ((f"{RUN}/other", 2), (TASK, 3)):
+            with pytest.raises(CheckpointStoreError, match="this step's token is for"):
+                await asyncio.to_thread(own.put_bytes, task, b"theirs", attempt=attempt)
+        with pytest.raises(CheckpointStoreError, match="Delete needs the role admin"):
+            await asyncio.to_thread(own.delete, TASK, stored.checkpoint_id)
+    finally:
+        own.close()
+    other = RemoteStore(server.address, task_id=TASK, attempt=2, timeout_s=10,
+                        access=as_step(f"{RUN}/other", 2))
+    try:  # PutChunks straight to the stream, not through MissingChunks first
+        with pytest.raises(CheckpointStoreError, match="this step's token is for"):
+            await asyncio.to_thread(other.put_chunks, {"0" * 64: b"x"})
+    finally:
+        other.close()

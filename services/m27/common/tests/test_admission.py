@@ -8,7 +8,12 @@ import asyncio
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from m27.common.api_auth import ApiAccess, ephemeral_keys
 from m27.common.grpc_server import start_server
+
+KEYS = ephemeral_keys()
+ADMIN = ApiAccess(token=KEYS.mint(user="tester", role="admin"))
+
 
 
 async def test_a_full_server_refuses_clearly_and_admits_again() -> None:
@@ -30,9 +35,10 @@ async def test_a_full_server_refuses_clearly_and_admits_again() -> None:
         "Wait": grpc.unary_unary_rpc_method_handler(wait),
         "Chunks": grpc.unary_stream_rpc_method_handler(chunks)})
     server = await start_server("127.0.0.1:0", [lambda s: s.add_generic_rpc_handlers(
-        (handlers,))], [], max_calls=3)
+        (handlers,))], [], keys=KEYS, max_calls=3, method_roles={
+            "/test.Slow/Wait": frozenset({"admin"}), "/test.Slow/Chunks": frozenset({"admin"})})
     await server.serving()
-    async with grpc.aio.insecure_channel(server.address) as channel:
+    async with ADMIN.channel(server.address) as channel:
         call = channel.unary_unary("/test.Slow/Wait", None, None)
         held = [asyncio.ensure_future(call(b"x", timeout=30)) for _ in range(3)]
         await asyncio.wait_for(full.wait(), 30)

@@ -9,6 +9,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from m27.common.api_auth import ApiAccess, ephemeral_keys
 from m27.common.events import StartTask
 from m27.common.grpc_server import start_server
 from m27.common.logfiles import log_path
@@ -17,6 +18,10 @@ from m27.node_agent._tasks import task_paths
 from m27.node_agent.api import SERVICE_NAME, NodeServicer, running_check, tail_query
 from m27.v1 import cluster_pb2 as pb
 from m27.v1 import cluster_pb2_grpc as pb_grpc
+
+KEYS = ephemeral_keys()
+ORCHESTRATOR = ApiAccess(token=KEYS.mint(user="orchestrator", role="node"))
+
 
 RUN = "r-20250101-120000-abcdef"
 TASK = f"{RUN}/train"
@@ -40,8 +45,8 @@ def running() -> Running:
 @pytest.fixture
 async def stub(tmp_path: Path, running: Running) -> AsyncIterator[pb_grpc.NodeServiceAsyncStub]:
     servicer = NodeServicer(tmp_path, "node-7", running, poll_s=0.02)
-    server = await start_server("127.0.0.1:0", [servicer.register], [SERVICE_NAME])
-    async with grpc.aio.insecure_channel(server.address) as channel:
+    server = await start_server("127.0.0.1:0", [servicer.register], [SERVICE_NAME], keys=KEYS)
+    async with ORCHESTRATOR.channel(server.address) as channel:
         yield pb_grpc.NodeServiceStub(channel)
     await server.stop(0)
 

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from m27.common.api_auth import ephemeral_keys, step_env
+from m27.common.config import ApiSection
 from m27.common.events import StartTask
 from m27.common.model import GpuInfo
 from m27.node_agent._process import read_tail
@@ -214,3 +217,19 @@ def test_a_step_gets_a_minimal_environment_not_the_agents_secrets() -> None:
     assert env["M27_NODE_ID"] == NODE.node_id  # placement variables win over the step's
     assert env["MINE"] == "1"
     assert "GITHUB_TOKEN" not in env
+
+
+def test_a_step_gets_its_own_api_token_never_the_agents() -> None:
+    """The agent's own token and key files stay with it; the step gets the one its node
+    signs for this task attempt (`api_auth.step_env`)."""
+    keys = ephemeral_keys()
+    node = replace(NODE, api_env=lambda task, attempt: step_env(
+        keys, ApiSection(tls_ca="/etc/m27/ca.pem"), task, attempt))
+    agent = passed_env({"PATH": "/usr/bin", "M27_TOKEN": "the-agents",
+                        "M27_API_KEY_FILE": "/etc/m27/control.key"})
+    cmd = start(env={"M27_TOKEN": "forged by the pipeline"})
+    env = task_env(agent, cmd, node, task_paths(HOME, cmd))
+    who = keys.identify(env["M27_TOKEN"], now=2.0)
+    assert (who.role, who.task_id, who.attempt) == ("step", cmd.task_id, cmd.attempt)
+    assert env["M27_API_TLS_CA"] == "/etc/m27/ca.pem"
+    assert "M27_API_KEY_FILE" not in env

@@ -13,6 +13,7 @@ import pytest
 
 from m27.client._cluster import node_from_proto
 from m27.common import subjects
+from m27.common.api_auth import ApiAccess, ephemeral_keys
 from m27.common.errors import NotFoundError
 from m27.common.events import EnqueueTask
 from m27.common.grpc_server import start_server
@@ -44,6 +45,10 @@ from m27.orchestrator.runs import StoredRun
 from m27.scheduler._state import Placement, TaskEntry
 from m27.v1 import cluster_pb2 as pb
 from m27.v1 import cluster_pb2_grpc as pb_grpc
+
+KEYS = ephemeral_keys()
+ADMIN = ApiAccess(token=KEYS.mint(user="tester", role="admin"))
+
 
 RUN = "r-20261201-000000-abcdef"
 GPUS = tuple(GpuInfo(index=i, name="m27 simulated GPU", uuid=f"SIM-{i}",
@@ -239,14 +244,16 @@ class DyingAgent(pb_grpc.NodeServiceServicer):
 @pytest.fixture
 async def relay(tmp_path: Path) -> AsyncIterator[pb_grpc.ClusterServiceAsyncStub]:
     agent = await start_server("127.0.0.1:0", [lambda s: pb_grpc.add_NodeServiceServicer_to_server(
-        DyingAgent(), s)], [])
+        DyingAgent(), s)], [], keys=KEYS)
     finished = step(state="succeeded", attempt=1, node_id="node-1",
                     history=(ran(1, "node-1"),))
     store = FakeStore(agent_registered(agent.address), run_with(finished))
     servicer = ClusterServicer(store, node_timeout=15.0, home=tmp_path,  # type: ignore[arg-type]
+                               agents=ApiAccess(token=lambda: KEYS.mint(user="orchestrator",
+                                                                        role="node")),
                                poll_s=0.01)
-    api = await start_server("127.0.0.1:0", [servicer.register], [])
-    async with grpc.aio.insecure_channel(api.address) as channel:
+    api = await start_server("127.0.0.1:0", [servicer.register], [], keys=KEYS)
+    async with ADMIN.channel(api.address) as channel:
         yield pb_grpc.ClusterServiceStub(channel)
     await api.stop(0)
     await agent.stop(0)

@@ -12,7 +12,7 @@ import pytest
 from structlog.testing import capture_logs
 
 from m27.common import events, subjects
-from m27.common.config import Config, SchedulerSection, load_config
+from m27.common.config import Config, SchedulerSection, load_config, parse_map
 from m27.common.errors import ConfigError
 from m27.common.memory_bus import MemoryBus
 from m27.common.model import GpuInfo, GpuSample, NodeInfo, Resources
@@ -25,7 +25,6 @@ from m27.scheduler._state import (
     TaskEntry,
     cluster_state,
     job_of,
-    parse_map,
     policy_settings,
     queue_of,
 )
