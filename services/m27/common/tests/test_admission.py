@@ -12,7 +12,7 @@ from m27.common.api_auth import ApiAccess, ephemeral_keys
 from m27.common.grpc_server import start_server
 
 KEYS = ephemeral_keys()
-ADMIN = ApiAccess(token=KEYS.mint(user="tester", role="admin"))
+ADMIN = ApiAccess(token=KEYS.mint(user="tester", role="admin", ttl_s=0))
 
 
 

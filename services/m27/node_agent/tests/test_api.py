@@ -20,7 +20,7 @@ from m27.v1 import cluster_pb2 as pb
 from m27.v1 import cluster_pb2_grpc as pb_grpc
 
 KEYS = ephemeral_keys()
-ORCHESTRATOR = ApiAccess(token=KEYS.mint(user="orchestrator", role="node"))
+ORCHESTRATOR = ApiAccess(token=KEYS.mint(user="orchestrator", role="node", ttl_s=0))
 
 
 RUN = "r-20250101-120000-abcdef"

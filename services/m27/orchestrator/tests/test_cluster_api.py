@@ -47,7 +47,7 @@ from m27.v1 import cluster_pb2 as pb
 from m27.v1 import cluster_pb2_grpc as pb_grpc
 
 KEYS = ephemeral_keys()
-ADMIN = ApiAccess(token=KEYS.mint(user="tester", role="admin"))
+ADMIN = ApiAccess(token=KEYS.mint(user="tester", role="admin", ttl_s=0))
 
 
 RUN = "r-20261201-000000-abcdef"
