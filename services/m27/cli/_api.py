@@ -13,6 +13,7 @@ from pathlib import Path
 from m27.cli._common import Subparsers, add, config
 from m27.common import api_auth, tokens
 from m27.common.errors import M27Error
+from m27.common.secret_files import write_secret
 from m27.common.units import parse_duration
 
 
@@ -76,7 +77,7 @@ def cmd_token_create(args: argparse.Namespace) -> int:
         print(text)
         return 0
     out = args.out or api_auth.api_dir(args.home) / "users" / f"{args.user}.token"
-    api_auth.write_secret(out, text.encode() + b"\n")
+    write_secret(out, text.encode() + b"\n")
     print(f"token for {args.user} ({args.role}"
           f"{', expires in ' + args.expires if ttl else ''}) written to {out}")
     return 0

@@ -22,7 +22,6 @@ import getpass
 import ipaddress
 import os
 import re
-import stat
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
@@ -34,6 +33,7 @@ import grpc
 from m27.common import api_access, tokens
 from m27.common.config import ApiSection, ClientSection, load_config
 from m27.common.errors import ConfigError, M27Error, PermissionDenied, Unauthenticated
+from m27.common.secret_files import read_secret, write_secret
 from m27.common.tokens import ApiRole, Identity, KeyId
 
 API_DIR: Final = Path("credentials") / "api"
@@ -46,6 +46,7 @@ SERVICE_TOKEN_TTL_S: Final = 300.0
 #: How long a refused client stream may take to send its first message (see `_Check`).
 FIRST_MESSAGE_WAIT_S: Final = 1.0
 NODE_SERVICES: Final = frozenset({"node-agent"})
+KEYS_HINT: Final = "`m27 up` makes the embedded system's; `m27 api keys DIR` a deployment's"
 
 Context = grpc.aio.ServicerContext[Any, Any]
 Continuation = Callable[[grpc.HandlerCallDetails], Awaitable[Any]]
@@ -68,41 +69,12 @@ def api_dir(home: Path) -> Path:
     return home / API_DIR
 
 
-def write_secret(path: Path, data: bytes) -> None:
-    """Write-then-rename a file only its owner can read (0600, in a 0700 directory)."""
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.unlink(missing_ok=True)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "wb") as file:
-        file.write(data)
-        file.flush()
-        os.fsync(file.fileno())
-    os.replace(tmp, path)
-
-
-def read_secret(path: Path, what: str) -> bytes:
-    """A secret file's content; ConfigError when it is missing, unreadable or readable by
-    others than its owner."""
-    try:
-        info = path.stat()
-        data = path.read_bytes()
-    except OSError as exc:
-        raise ConfigError(f"cannot read the {what} {path}: {exc.strerror or exc} (`m27 up` "
-                          "makes the embedded system's; `m27 api keys DIR` a deployment's)"
-                          ) from exc
-    if info.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
-        raise ConfigError(f"the {what} {path} can be read by others (mode "
-                          f"{stat.filemode(info.st_mode)}); `chmod 600 {path.name}`")
-    return data.strip()
-
-
 def ensure_keys(directory: Path, *, rotate: bool = False) -> bytes:
     """`control.key` and its `node.key` in `directory`, kept if there unless `rotate`
     (which invalidates every token signed before); returns the control-plane key."""
     path = directory / CONTROL_KEY
     if path.exists() and not rotate:
-        control = _key(read_secret(path, "API key"), path)
+        control = _key(read_secret(path, "API key", KEYS_HINT), path)
     else:
         control = tokens.new_key()
         write_secret(path, control.hex().encode() + b"\n")
@@ -178,9 +150,10 @@ def load_keys(section: ApiSection, home: Path, service: str) -> Keys:
     if service in NODE_SERVICES:
         path = Path(section.node_key_file) if section.node_key_file else (
             api_dir(home) / NODE_KEY)
-        return Keys(control=None, node=_key(read_secret(path, "node API key"), path))
+        node = _key(read_secret(path, "node API key", KEYS_HINT), path)
+        return Keys(control=None, node=node)
     path = Path(section.key_file) if section.key_file else api_dir(home) / CONTROL_KEY
-    control = _key(read_secret(path, "API key"), path)
+    control = _key(read_secret(path, "API key", KEYS_HINT), path)
     return Keys(control=control, node=tokens.node_key(control))
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import stat
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Final
@@ -19,6 +18,7 @@ import nkeys
 
 from m27.common.errors import ConfigError
 from m27.common.principals import Principal, permissions
+from m27.common.secret_files import read_secret, write_secret
 
 SEED_SUFFIX: Final = ".nk"
 SEED_BYTES: Final = 32
@@ -49,17 +49,9 @@ def public_key(seed: bytes) -> str:
 def read_seed(path: Path) -> bytes:
     """A seed file's content; ConfigError when it is missing, unreadable or readable by
     others than its owner (the server would take whoever copied it for that principal)."""
-    try:
-        info = path.stat()
-        data = path.read_bytes()
-    except OSError as exc:
-        raise ConfigError(f"cannot read NATS credentials {path}: "
-                          f"{exc.strerror or exc}") from exc
-    if info.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
-        raise ConfigError(f"NATS credentials {path} can be read by others "
-                          f"(mode {stat.filemode(info.st_mode)}); `chmod 600 {path.name}`")
+    data = read_secret(path, "NATS credentials")
     public_key(data)
-    return data.strip()
+    return data
 
 
 def ensure_seeds(directory: Path, principals: Iterable[Principal], *,
@@ -75,14 +67,7 @@ def ensure_seeds(directory: Path, principals: Iterable[Principal], *,
             keys[who] = public_key(read_seed(path))
             continue
         seed = new_seed()
-        tmp = path.with_name(f".{path.name}.tmp")
-        tmp.unlink(missing_ok=True)
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "wb") as file:
-            file.write(seed + b"\n")
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(tmp, path)
+        write_secret(path, seed + b"\n")
         keys[who] = public_key(seed)
     return keys
 

@@ -19,11 +19,11 @@ from m27.common.api_auth import (
     ensure_cli_token,
     ensure_keys,
     load_keys,
-    read_secret,
     server_credentials,
 )
 from m27.common.config import ApiSection, Config, SchedulerSection, load_config
 from m27.common.errors import ConfigError
+from m27.common.secret_files import read_secret
 from m27.common.tokens import Identity, TokenError
 
 NOW = 1_800_000_000.0
