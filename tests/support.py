@@ -22,7 +22,7 @@ from m27.embedded.processes import ServiceProcess, launch, stop, wait_ready
 def home_keys(home: Path) -> Keys:
     """The API keys under `home` (made if missing), as a control-plane service holds them."""
     control = api_auth.ensure_keys(api_auth.api_dir(home))
-    return Keys(control=control, node=tokens.node_key(control))
+    return Keys.of_control(control)
 
 
 def service_log(proc: ServiceProcess) -> str:

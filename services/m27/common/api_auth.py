@@ -94,7 +94,7 @@ def ensure_cli_token(home: Path, user: str) -> Path:
     directory = api_dir(home)
     control = ensure_keys(directory)
     path = directory / CLI_TOKEN
-    keys = Keys(control=control, node=tokens.node_key(control))
+    keys = Keys.of_control(control)
     if path.exists():
         try:
             held = keys.identify(read_secret(path, "API token").decode("utf-8", "replace"),
@@ -125,6 +125,11 @@ class Keys:
     control: bytes | None
     node: bytes
 
+    @classmethod
+    def of_control(cls, control: bytes) -> Keys:
+        """What a control-plane service holds: the key and the node key derived from it."""
+        return cls(control=control, node=tokens.node_key(control))
+
     def identify(self, token: str, now: float) -> Identity:
         return tokens.verify(token, control_key=self.control, node_key_=self.node, now=now)
 
@@ -142,7 +147,7 @@ class Keys:
 def ephemeral_keys() -> Keys:
     """A fresh pair held in memory only (a server and its clients in one process)."""
     control = tokens.new_key()
-    return Keys(control=control, node=tokens.node_key(control))
+    return Keys.of_control(control)
 
 
 def load_keys(section: ApiSection, home: Path, service: str) -> Keys:
@@ -154,7 +159,7 @@ def load_keys(section: ApiSection, home: Path, service: str) -> Keys:
         return Keys(control=None, node=node)
     path = Path(section.key_file) if section.key_file else api_dir(home) / CONTROL_KEY
     control = _key(read_secret(path, "API key", KEYS_HINT), path)
-    return Keys(control=control, node=tokens.node_key(control))
+    return Keys.of_control(control)
 
 
 # ---------------------------------------------------------------- the server side
