@@ -93,6 +93,23 @@ def parse_vars(pairs: list[str]) -> dict[str, str]:
     return result
 
 
+def parse_secrets(items: list[str], environ: Mapping[str, str]) -> dict[str, str]:
+    """`--secret NAME` (the value of the environment variable NAME: nothing in the shell's
+    history or the process list) or `--secret NAME=VALUE`."""
+    result: dict[str, str] = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not name:
+            raise M27Error(f"--secret expects NAME or NAME=VALUE, got {item!r}")
+        if not sep:
+            if name not in environ:
+                raise M27Error(f"--secret {name}: the environment variable {name} is not set "
+                               f"(export it first, or give --secret {name}=VALUE)")
+            value = environ[name]
+        result[name] = value
+    return result
+
+
 def read_pipeline(path: Path) -> str:
     try:
         if path.stat().st_size > MAX_FILE_BYTES:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -17,6 +18,7 @@ from m27.cli._common import (
     add,
     api_address,
     config,
+    parse_secrets,
     parse_since,
     parse_vars,
     print_json,
@@ -74,6 +76,10 @@ def _pipeline_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("file", type=Path, metavar="FILE")
     parser.add_argument("--var", action="append", default=[], metavar="NAME=VALUE",
                         help="fill {{NAME}} (repeatable); a value never becomes shell syntax")
+    parser.add_argument("--secret", action="append", default=[], metavar="NAME[=VALUE]",
+                        help="a secret variable (repeatable): its value from the environment "
+                        "variable NAME, or VALUE; usable only in env:/secrets: values, never "
+                        "stored with the run, shown as *** and masked in the logs")
     parser.add_argument("--workdir", type=Path,
                         help="directory the steps run in (default: the current directory)")
     parser.add_argument("--no-cache", action="store_true",
@@ -101,21 +107,22 @@ def _add_runs(sub: Subparsers) -> None:
 def cmd_plan(args: argparse.Namespace) -> int:
     text = read_pipeline(args.file)
     variables = parse_vars(args.var)
+    secrets = parse_secrets(args.secret, os.environ)
     workdir = str((args.workdir or Path.cwd()).resolve())
     cfg = config(args)
     try:
         spec = load_pipeline(text, variables, source=str(args.file), workdir=workdir,
-                             gpu_light_share=cfg.scheduler.gpu_light_share)
+                             gpu_light_share=cfg.scheduler.gpu_light_share, secrets=secrets)
     except PipelineError as exc:
         print(f"m27: {exc}", file=sys.stderr)
         return 1
-    plan = _server_plan(args, text, variables, workdir) or make_plan(spec)
+    plan = _server_plan(args, text, variables, workdir, secrets) or make_plan(spec)
     print(_plan_json(plan) if args.format == "json" else render_text(plan))
     return 1 if plan.capacity_problems else 0
 
 
 def _server_plan(args: argparse.Namespace, text: str, variables: dict[str, str],
-                 workdir: str) -> Plan | None:
+                 workdir: str, secrets: dict[str, str]) -> Plan | None:
     """The running system's plan (estimates, cache, capacity), or None without one."""
     try:
         api_address(args, config(args))
@@ -124,7 +131,7 @@ def _server_plan(args: argparse.Namespace, text: str, variables: dict[str, str],
     try:
         return with_client(args, lambda c: c.plan(text, vars=variables, workdir=workdir,
                                                   source_name=str(args.file),
-                                                  no_cache=args.no_cache))
+                                                  no_cache=args.no_cache, secrets=secrets))
     except ClientError as exc:
         print(f"m27: planning without the running system ({exc})", file=sys.stderr)
         return None
@@ -139,13 +146,14 @@ def _plan_json(plan: Plan) -> str:
 def cmd_submit(args: argparse.Namespace) -> int:
     text = read_pipeline(args.file)
     variables = parse_vars(args.var)
+    secrets = parse_secrets(args.secret, os.environ)
     workdir = (args.workdir or Path.cwd()).resolve()
     urgency: Urgency | None = args.urgency
 
     async def work(client: Client) -> int:
         run_id = await client.submit(text, vars=variables, user=args.user, urgency=urgency,
                                      workdir=str(workdir), source_name=str(args.file),
-                                     no_cache=args.no_cache)
+                                     no_cache=args.no_cache, secrets=secrets)
         print(run_id, flush=True)
         if not args.watch:
             return 0

@@ -126,12 +126,15 @@ class Client:
 
     async def submit(self, pipeline_yaml: str, *, vars: Mapping[str, str] | None = None,
                      user: str = "", urgency: Urgency | None = None, workdir: str = "",
-                     source_name: str = "", no_cache: bool = False) -> str:
-        """Submit a pipeline; returns the new run id. `urgency` None keeps the file's."""
+                     source_name: str = "", no_cache: bool = False,
+                     secrets: Mapping[str, str] | None = None) -> str:
+        """Submit a pipeline; returns the new run id. `urgency` None keeps the file's.
+        `secrets` are values of secret variables (only `env:`/`secrets:` may use them)."""
         request = pb.SubmitPipelineRequest(
             pipeline_yaml=pipeline_yaml, vars=dict(vars or {}), user=user,
             urgency=proto.urgency_to_proto(urgency) if urgency else pb.URGENCY_UNSPECIFIED,
-            workdir=workdir, source_name=source_name, no_cache=no_cache)
+            workdir=workdir, source_name=source_name, no_cache=no_cache,
+            secrets=dict(secrets or {}))
         reply = await self._call(self._stub.SubmitPipeline, request)
         return str(reply.run_id)
 
@@ -168,11 +171,12 @@ class Client:
         return proto.run_state_from_proto(reply.state), list(reply.steps)
 
     async def plan(self, pipeline_yaml: str, *, vars: Mapping[str, str] | None = None,
-                   source_name: str = "", workdir: str = "", no_cache: bool = False) -> Plan:
+                   source_name: str = "", workdir: str = "", no_cache: bool = False,
+                   secrets: Mapping[str, str] | None = None) -> Plan:
         """The server's plan: with start estimates, cache reuse and capacity checks."""
         request = pb.PlanPipelineRequest(pipeline_yaml=pipeline_yaml, vars=dict(vars or {}),
                                          source_name=source_name, workdir=workdir,
-                                         no_cache=no_cache)
+                                         no_cache=no_cache, secrets=dict(secrets or {}))
         reply = await self._call(self._stub.PlanPipeline, request)
         return msgspec.json.decode(reply.plan_json, type=Plan)
 

@@ -224,6 +224,7 @@ async def ensure_topology(js: JetStreamContext, replicas: int = 1) -> None:
             max_value_size=bucket.max_value_size,
             storage=StorageType.FILE,
             replicas=replicas,
+            ttl=bucket.ttl_s,
         )
         try:
             await js.create_key_value(kv_config)
@@ -238,13 +239,15 @@ def topology_names() -> tuple[str, ...]:
             *(f"KV_{bucket.name}" for bucket in subjects.BUCKETS))
 
 
-async def wait_for_topology(js: JetStreamContext, timeout: float) -> None:
-    """Wait until every stream and bucket exists; BusError naming the missing ones."""
+async def wait_for_topology(js: JetStreamContext, timeout: float,
+                            names: tuple[str, ...] | None = None) -> None:
+    """Wait until every stream and bucket (or those of `names`) exists; BusError naming
+    the missing ones."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     while True:
         missing = []
-        for name in topology_names():
+        for name in topology_names() if names is None else names:
             try:
                 await js.stream_info(name)
             except nats.js.errors.NotFoundError:
@@ -279,6 +282,10 @@ class Bus(Protocol):
 
     async def kv_delete(self, bucket: str, key: str) -> None: ...
 
+    async def kv_purge(self, bucket: str, key: str) -> None: ...
+
+    async def request(self, subject: str, data: bytes, timeout: float) -> bytes: ...
+
 
 class NatsBus:
     """One service's connection: JetStream publishing, KV buckets and core pub/sub."""
@@ -291,14 +298,15 @@ class NatsBus:
     @classmethod
     async def open(cls, url: str, *, name: str, timeout: float = 10.0,
                    replicas: int = 1, access: Access | None = None,
-                   create: bool = False) -> NatsBus:
+                   create: bool = False, topology: tuple[str, ...] | None = None) -> NatsBus:
         """Connect and make sure the streams and buckets exist: anonymous (a bus without
         users) or with `create` (the admin credential), create or update them; with a
-        service's credentials, which may not change them, wait until they exist."""
+        service's credentials, which may not change them, wait until they (or those of
+        `topology`, the ones it may look at) exist."""
         bus = cls(await connect(url, name=name, timeout=timeout, access=access))
         try:
             if access is not None and access.seed_file and not create:
-                await wait_for_topology(bus.js, timeout)
+                await wait_for_topology(bus.js, timeout, topology)
             else:
                 await ensure_topology(bus.js, replicas)
         except (TimeoutError, nats.errors.Error, BusError) as exc:
@@ -386,6 +394,17 @@ class NatsBus:
         kv = await self.kv(bucket)
         with contextlib.suppress(nats.js.errors.KeyNotFoundError):
             await kv.delete(key)
+
+    async def kv_purge(self, bucket: str, key: str) -> None:
+        """Remove the value at `key` from the bucket's stream (not only mark it deleted)."""
+        kv = await self.kv(bucket)
+        await kv.purge(key)
+
+    async def request(self, subject: str, data: bytes, timeout: float) -> bytes:
+        """A core NATS request (not stored); the answer's payload. nats' TimeoutError or
+        NoRespondersError when nobody answers."""
+        reply = await self.nc.request(subject, data, timeout=timeout)
+        return reply.data
 
     async def close(self) -> None:
         with contextlib.suppress(Exception):

@@ -78,8 +78,10 @@ def authorization(keys: dict[Principal, str]) -> str:
     users = []
     for who, key in sorted(keys.items(), key=lambda item: item[0].name):
         allowed = permissions(who)
-        users.append({"nkey": key,
-                      "permissions": {"publish": {"allow": list(allowed.publish)},
-                                      "subscribe": {"allow": list(allowed.subscribe)}}})
+        rules: dict[str, object] = {"publish": {"allow": list(allowed.publish)},
+                                    "subscribe": {"allow": list(allowed.subscribe)}}
+        if allowed.allow_responses:
+            rules["allow_responses"] = True
+        users.append({"nkey": key, "permissions": rules})
     # JSON is valid nats-server config syntax.
     return "authorization: " + json.dumps({"users": users}, indent=2) + "\n"

@@ -305,6 +305,9 @@ class EnqueueTask(_Message, frozen=True, tag="enqueue_task"):
     command: str
     workdir: str = ""
     env: dict[str, str] = msgspec.field(default_factory=dict)
+    #: The m27_secrets key of the step's secret environment values ("" none): the values
+    #: never travel in a message, the node-agent reads them when it starts the task.
+    secrets: str = ""
     checkpoint_interval_s: float | None = None
     timeout_s: float | None = None
     outputs: tuple[str, ...] = ()
@@ -344,6 +347,9 @@ class StartTask(_Message, frozen=True, tag="start_task"):
     command: str
     workdir: str = ""
     env: dict[str, str] = msgspec.field(default_factory=dict)
+    #: The m27_secrets key of the step's secret environment values ("" none): the values
+    #: never travel in a message, the node-agent reads them when it starts the task.
+    secrets: str = ""
     gpu_ids: tuple[int, ...] = ()
     gpu_share: float = 0.0
     gpu_memory_mb: int = 0
@@ -401,6 +407,23 @@ class StageTask(_Message, frozen=True, tag="stage_task"):
     attempt: int
     inputs: tuple[str, ...]
     reason: str = ""
+
+
+class SecretsRequest(msgspec.Struct, frozen=True, kw_only=True):
+    """A node-agent asks for the secret environment values of one attempt it starts
+    (`subjects.SECRETS_REQUEST`, core NATS request/reply, never stored)."""
+
+    task_id: str
+    attempt: int
+    key: str  # StartTask.secrets
+
+
+class SecretsReply(msgspec.Struct, frozen=True, kw_only=True):
+    """The values, or why not (`error`, the values then empty)."""
+
+    env: dict[str, str] = msgspec.field(default_factory=dict)
+    error: str = ""
+    transient: bool = False  # the error may pass: ask again later
 
 
 SchedulerCommand = EnqueueTask | CancelTask

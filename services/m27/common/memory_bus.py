@@ -10,10 +10,11 @@ Integration tests never use it: they run a real nats-server (tests/conftest.py).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 import msgspec
+import nats.errors
 
 from m27.common import events
 from m27.common.errors import BusError
@@ -40,6 +41,9 @@ class MemoryBus:
         self.core: list[tuple[str, events.Message]] = []
         self.kv: dict[tuple[str, str], tuple[bytes, int]] = {}
         self.fail_with: Exception | None = None
+        self.requests: list[tuple[str, bytes]] = []
+        #: Answers `request` (None: nobody answers).
+        self.responder: Callable[[str, bytes], Awaitable[bytes]] | None = None
         self._revision = 0
 
     def _check(self) -> None:
@@ -92,6 +96,16 @@ class MemoryBus:
     async def kv_delete(self, bucket: str, key: str) -> None:
         self._check()
         self.kv.pop((bucket, key), None)
+
+    async def kv_purge(self, bucket: str, key: str) -> None:
+        await self.kv_delete(bucket, key)
+
+    async def request(self, subject: str, data: bytes, timeout: float) -> bytes:
+        self._check()
+        self.requests.append((subject, data))
+        if self.responder is None:
+            raise nats.errors.NoRespondersError
+        return await self.responder(subject, data)
 
     # ------------------------------------------------------------------ for assertions
 

@@ -93,7 +93,11 @@ class StepRecord(msgspec.Struct, frozen=True, kw_only=True):
     preemptible: bool = False
     retry: RetryPolicy = RetryPolicy()
     timeout_s: float | None = None
-    env: dict[str, str] = msgspec.field(default_factory=dict)
+    env: dict[str, str] = msgspec.field(default_factory=dict)  # the plain values only
+    #: Names of the secret environment values; the values are not in the record but in
+    #: m27_secrets, as set `secret_set` of the run (-1: none).
+    secret_env: tuple[str, ...] = ()
+    secret_set: int = -1
     workdir: str = ""  # empty: the run's working directory
     group: str = ""  # the matrix step this one was expanded from
     matrix: dict[str, str] = msgspec.field(default_factory=dict)
@@ -154,9 +158,18 @@ class RunRecord(msgspec.Struct, frozen=True, kw_only=True):
     max_parallel: dict[str, int] = msgspec.field(default_factory=dict)  # matrix group → cap
     use_cache: bool = True
     source_name: str = ""
+    #: The m27_secrets key of each set of secret values (StepRecord.secret_set indexes it).
+    secret_keys: tuple[str, ...] = ()
 
     def step(self, name: str) -> StepRecord | None:
         return next((s for s in self.steps if s.name == name), None)
+
+
+class SecretSet(msgspec.Struct, frozen=True, kw_only=True):
+    """One set of a run's secret environment values, as stored in m27_secrets."""
+
+    run_id: str
+    env: dict[str, str]
 
 
 class GpuInfo(msgspec.Struct, frozen=True, kw_only=True):

@@ -40,6 +40,10 @@ class Permissions(msgspec.Struct, frozen=True, kw_only=True):
 
     publish: tuple[str, ...]
     subscribe: tuple[str, ...]
+    #: May answer a request it received, on the request's reply subject, once (NATS
+    #: `allow_responses`): how the orchestrator hands a node its step's secret values
+    #: without being allowed to publish to any inbox.
+    allow_responses: bool = False
 
 
 class Principal(msgspec.Struct, frozen=True, kw_only=True):
@@ -94,6 +98,14 @@ def kv_read(bucket: str, key: str = ">") -> tuple[str, ...]:
             f"{API}.DIRECT.GET.{stream}", f"{API}.DIRECT.GET.{stream}.$KV.{bucket}.{key}")
 
 
+def streams_seen(role: Role) -> tuple[str, ...]:
+    """The streams (buckets' included) `role` may look up: a bucket marked `visible_to`
+    only by those roles."""
+    return (*(stream.name for stream in subjects.STREAMS),
+            *(f"KV_{b.name}" for b in subjects.BUCKETS
+              if not b.visible_to or role in b.visible_to or role == "admin"))
+
+
 def kv_write(bucket: str, key: str = ">") -> tuple[str, ...]:
     """Put, compare-and-set and delete under `key` (a pattern) of a bucket."""
     return (f"$KV.{bucket}.{key}",)
@@ -127,7 +139,7 @@ def permissions(who: Principal) -> Permissions:
     """What `who` may publish and subscribe to; see the module's docstring."""
     inbox = (f"{who.inbox}.>",)
     # Every service checks at start that the streams and buckets exist (read-only).
-    look = (f"{API}.STREAM.INFO.*",)
+    look = tuple(f"{API}.STREAM.INFO.{name}" for name in streams_seen(who.role))
     event_stream, command_stream = subjects.EVENTS_STREAM, subjects.COMMANDS_STREAM
     publish: tuple[str, ...]
     subscribe: tuple[str, ...] = inbox
@@ -144,12 +156,15 @@ def permissions(who: Principal) -> Permissions:
             *kv_write(subjects.CACHE_BUCKET), *kv_read(subjects.CACHE_BUCKET),
             *kv_read(subjects.NODES_BUCKET), *kv_read(subjects.TASKS_BUCKET),
             *kv_read(subjects.MAINTENANCE_BUCKET), *kv_read(subjects.FENCES_BUCKET),
+            *kv_write(subjects.SECRETS_BUCKET), *kv_read(subjects.SECRETS_BUCKET),
             *service_entry("orchestrator"),
             *durable_consumer(event_stream, subjects.ORCHESTRATOR_TASK_EVENTS,
                               subjects.TASK_EVENTS_ALL),
             *durable_consumer(event_stream, subjects.ORCHESTRATOR_REPORTS, subjects.RUN_REPORT_ALL),
             *ordered_consumers(event_stream),
         )
+        subscribe = (*inbox, subjects.SECRETS_REQUEST)
+        return Permissions(publish=publish, subscribe=subscribe, allow_responses=True)
     elif who.role == "scheduler":
         publish = (
             *look,
@@ -174,7 +189,7 @@ def permissions(who: Principal) -> Permissions:
             subjects.task_events("*", "*", who.name), subjects.node_events(node),
             subjects.heartbeat(node),
             *kv_write(subjects.NODES_BUCKET, node), *kv_read(subjects.NODES_BUCKET),
-            *kv_read(subjects.FENCES_BUCKET),
+            *kv_read(subjects.FENCES_BUCKET), subjects.SECRETS_REQUEST,
             *service_entry("node-agent", node),
             *durable_consumer(command_stream, subjects.node_command_consumer(node),
                               subjects.node_commands(node)),

@@ -19,6 +19,9 @@ from m27.common.model import (
 )
 from m27.v1 import pipeline_pb2 as pb
 
+#: What a secret value reads as wherever m27 shows it.
+MASKED: Final = "***"
+
 _URGENCY_TO_PB: Final[dict[Urgency, pb.Urgency.ValueType]] = {
     "low": pb.URGENCY_LOW, "normal": pb.URGENCY_NORMAL,
     "high": pb.URGENCY_HIGH, "urgent": pb.URGENCY_URGENT,
@@ -113,6 +116,8 @@ def step_to_proto(step: StepRecord) -> pb.Step:
         timeout_s=step.timeout_s or 0.0, workdir=step.workdir,
         resources=_resources_to_proto(step.resources), energy_j=step.energy_j or 0.0,
         checkpoint_interval_s=step.checkpoint_interval_s or 0.0,
+        env={**step.env, **dict.fromkeys(step.secret_env, MASKED)},
+        secret_env=list(step.secret_env),
     )
     if step.exit_code is not None:
         message.exit_code = step.exit_code
@@ -145,6 +150,8 @@ def step_from_proto(message: pb.Step) -> StepRecord:
         stdout_path=message.stdout_path, stderr_path=message.stderr_path,
         energy_j=message.energy_j or None,
         checkpoint_interval_s=message.checkpoint_interval_s or None,
+        env={k: v for k, v in message.env.items() if k not in message.secret_env},
+        secret_env=tuple(message.secret_env),
     )
 
 

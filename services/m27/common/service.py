@@ -30,7 +30,7 @@ from m27.common.errors import M27Error
 from m27.common.grpc_server import GrpcServer, Register, start_server
 from m27.common.logging import configure, get_logger
 from m27.common.model import ServiceInfo
-from m27.common.principals import service_principal
+from m27.common.principals import service_principal, streams_seen
 from m27.common.tokens import ApiRole
 
 log = get_logger()
@@ -85,7 +85,8 @@ class ServiceRuntime:
         self.bus = await NatsBus.open(self.config.nats.url, name=f"m27-{self.name}",
                                       timeout=self.config.nats.connect_timeout,
                                       replicas=self.config.nats.replicas,
-                                      access=access_for(self.config.nats, who))
+                                      access=access_for(self.config.nats, who),
+                                      topology=streams_seen(who.role))
         log.info("nats.connected", url=self.config.nats.url)
         return self.bus
 

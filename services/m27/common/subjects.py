@@ -29,6 +29,20 @@ HEARTBEAT_ALL: Final = f"{PREFIX}.heartbeat.*"
 COMMANDS_ALL: Final = f"{PREFIX}.cmd.>"
 #: Commands for the scheduler (enqueue, cancel).
 SCHEDULER_COMMANDS: Final = f"{PREFIX}.cmd.scheduler"
+#: A node-agent asks the orchestrator for a step's secret environment values (core NATS
+#: request/reply: never stored). The answer goes to the asker's reply subject, which only
+#: that node can read (its inbox, `principals.Principal.inbox`).
+SECRETS_REQUEST: Final = f"{PREFIX}.secrets.get"
+#: The prefix of every node-agent's reply subjects: `_INBOX_node-<node_id>.…`.
+NODE_INBOX_PREFIX: Final = "_INBOX_node-"
+
+
+def inbox_node(reply: str) -> str | None:
+    """The node whose inbox `reply` is, or None: not a node's."""
+    head, dot, _ = reply.partition(".")
+    if not dot or not head.startswith(NODE_INBOX_PREFIX):
+        return None
+    return head[len(NODE_INBOX_PREFIX):] or None
 
 
 def run_events(run_id: str) -> str:
@@ -157,6 +171,10 @@ CHECKPOINTS_BUCKET: Final = "m27_checkpoints"
 CACHE_BUCKET: Final = "m27_cache"
 FENCES_BUCKET: Final = "m27_fences"
 MAINTENANCE_BUCKET: Final = "m27_maintenance"
+SECRETS_BUCKET: Final = "m27_secrets"
+#: How long a run's secret values are kept at most (they are deleted sooner, when the
+#: run succeeds or is cancelled): a failed run can be retried within this time.
+SECRETS_TTL_S: Final = 30 * 86400.0
 
 
 class BucketSpec(msgspec.Struct, frozen=True, kw_only=True):
@@ -164,6 +182,9 @@ class BucketSpec(msgspec.Struct, frozen=True, kw_only=True):
     description: str
     history: int = 1
     max_value_size: int = 4 * 1024 * 1024
+    ttl_s: float | None = None  # entries expire after this long
+    #: Roles that may look at the bucket's stream (its info lists the keys); () for all.
+    visible_to: tuple[str, ...] = ()
 
 
 BUCKETS: Final[tuple[BucketSpec, ...]] = (
@@ -197,7 +218,19 @@ BUCKETS: Final[tuple[BucketSpec, ...]] = (
         name=MAINTENANCE_BUCKET,
         description="Scheduler: node_id → cordoned or draining (m27 node cordon|drain).",
     ),
+    BucketSpec(
+        name=SECRETS_BUCKET,
+        description="Orchestrator (alone): run_id.set.nonce → one set of a run's secret "
+        "environment values; node-agents ask for a step's on SECRETS_REQUEST.",
+        max_value_size=512 * 1024, ttl_s=SECRETS_TTL_S, visible_to=("orchestrator",),
+    ),
 )
+
+
+def secret_key(run_id: str, index: int, nonce: str) -> str:
+    """Where set `index` of a run's secret values is stored; the random `nonce` keeps a
+    run id that is taken (and retried) from ever naming another run's set."""
+    return f"{run_id}.{index}.{nonce}"
 
 
 def task_key(task_id: str) -> str:

@@ -7,32 +7,88 @@ pid and everything it starts (unless it leaves the session itself) can be signal
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import stat
+import subprocess
+import sys
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import BinaryIO
 
+from m27.node_agent import _mask
 from m27.node_agent._tasks import decode_tail, output_path
 
 SHELL = "/bin/sh"
 
 
 async def spawn(command: str, *, cwd: Path, env: Mapping[str, str], stdout: Path,
-                stderr: Path) -> asyncio.subprocess.Process:
+                stderr: Path, mask: Sequence[str] = ()) -> asyncio.subprocess.Process:
     """Start the command in a new session; stdin is /dev/null, output goes to the log files.
+
+    With values to `mask` (the step's secrets), output goes through pipes to a masker
+    process (`_mask`) that writes it to the log files with each value replaced by `***`,
+    so no log file m27 writes, serves or reports holds them. The masker is in a session
+    of its own: signals to the step's group do not reach it, and it ends once every
+    process holding the pipes has.
 
     The command string goes to sh untouched: the agent adds no quoting or expansion.
     Raises OSError / ValueError when it cannot be started.
     """
     out, err = _open_logs(cwd, stdout, stderr)
     with out, err:
-        return await asyncio.create_subprocess_exec(
-            SHELL, "-c", command,
-            stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=err,
-            cwd=cwd, env=dict(env), start_new_session=True,
-        )
+        if not _mask.patterns(mask):
+            return await asyncio.create_subprocess_exec(
+                SHELL, "-c", command,
+                stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=err,
+                cwd=cwd, env=dict(env), start_new_session=True,
+            )
+        out_read, out_write = os.pipe()
+        err_read, err_write = os.pipe()
+        try:
+            masker = _start_masker(mask, [(out_read, out.fileno()), (err_read, err.fileno())])
+            process = await asyncio.create_subprocess_exec(
+                SHELL, "-c", command,
+                stdin=asyncio.subprocess.DEVNULL, stdout=out_write, stderr=err_write,
+                cwd=cwd, env=dict(env), start_new_session=True,
+            )
+        finally:
+            for fd in (out_read, out_write, err_read, err_write):
+                os.close(fd)
+        _maskers[process.pid] = masker
+        return process
+
+
+#: The masker of each masked step still running, by the step's pid.
+_maskers: dict[int, subprocess.Popen[bytes]] = {}
+#: How long a step's end waits for its masker to write the last output.
+MASKER_WAIT_S = 5.0
+
+
+def _start_masker(values: Sequence[str],
+                  pipes: Sequence[tuple[int, int]]) -> subprocess.Popen[bytes]:
+    args = [sys.executable, "-S", _mask.SCRIPT]
+    for source, target in pipes:
+        args += ["--pipe", f"{source}:{target}"]
+    return subprocess.Popen(
+        args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+        pass_fds=[fd for pair in pipes for fd in pair], start_new_session=True,
+        env={_mask.VALUES_ENV: json.dumps(list(values))})
+
+
+async def output_written(pid: int, timeout: float = MASKER_WAIT_S) -> bool:
+    """Once the step whose pid this was has ended (its group killed): wait until its
+    masker has written all of its output (at once for an unmasked step). False when
+    something that left the group still holds the pipes past `timeout`."""
+    masker = _maskers.pop(pid, None)
+    if masker is None:
+        return True
+    try:
+        await asyncio.to_thread(masker.wait, timeout)
+    except subprocess.TimeoutExpired:
+        return False  # it ends with the last writer; Popen reaps it then
+    return True
 
 
 def _open_logs(cwd: Path, stdout: Path, stderr: Path) -> tuple[BinaryIO, BinaryIO]:

@@ -23,12 +23,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
 
+import msgspec
 import nats.errors
 
 from m27.common import subjects
 from m27.common.bus import Bus, PoisonMessage
 from m27.common.errors import Unavailable
-from m27.common.events import StartTask, StopTask, TaskExited, TaskStarted
+from m27.common.events import (
+    SecretsReply,
+    SecretsRequest,
+    StartTask,
+    StopTask,
+    TaskExited,
+    TaskStarted,
+)
 from m27.common.logging import bound_contextvars, get_logger
 from m27.common.model import Fence, TaskHolding
 from m27.node_agent._file_sync import FileCheckpoints, FileSync
@@ -37,6 +45,7 @@ from m27.node_agent._isolation import Cgroups, confine, remove_cgroup
 from m27.node_agent._ledger import Ledger, LedgerTask, reap_orphan
 from m27.node_agent._process import (
     missing_outputs,
+    output_written,
     read_tail,
     signal_by_name,
     signal_group,
@@ -71,6 +80,9 @@ RETRY_MAX_DELAY_S: Final = 5.0
 #: Checking declared outputs is a few stat() calls; a dead network mount must not keep the
 #: exit unreported forever (unchecked outputs then count as missing).
 OUTPUTS_CHECK_TIMEOUT_S: Final = 30.0
+#: How long a start waits for the orchestrator to hand over a step's secret values (the
+#: node's commands wait meanwhile); with no answer the start is retried later.
+SECRETS_TIMEOUT_S: Final = 3.0
 TaskKey = tuple[str, int]
 
 
@@ -263,9 +275,11 @@ class TaskRunner:
             if store and cmd.checkpoint_interval_s:  # only such steps' files are uploaded
                 await self._files.restore(cmd, paths.checkpoint_dir, store)
             node = dataclasses.replace(self._node, checkpoint_store=store)
-            env = task_env(self._environ, cmd, node, paths)
+            secrets = await self._secrets(cmd)
+            env = task_env(self._environ, cmd, node, paths, secrets)
             process = await spawn(cmd.command, cwd=paths.workdir, env=env,
-                                  stdout=paths.stdout, stderr=paths.stderr)
+                                  stdout=paths.stdout, stderr=paths.stderr,
+                                  mask=tuple(secrets.values()))
         except (OSError, ValueError, subprocess.SubprocessError) as exc:
             raise CannotStart(str(exc)) from exc
         task = RunningTask(cmd=cmd, paths=paths, process=process, started_at=self._clock(),
@@ -287,6 +301,30 @@ class TaskRunner:
                  gpu_backend=self._node.backend if cmd.gpu_ids else "none",
                  command_chars=len(cmd.command))  # not its text: it holds the --var values
         return task
+
+    async def _secrets(self, cmd: StartTask) -> dict[str, str]:
+        """The step's secret environment values: the orchestrator gives them to the node
+        the attempt is assigned to, on its own reply subject (`orchestrator.secrets`).
+        Unavailable (the command is redelivered) while nobody answers."""
+        if not cmd.secrets:
+            return {}
+        request = SecretsRequest(task_id=cmd.task_id, attempt=cmd.attempt, key=cmd.secrets)
+        try:
+            data = await self._bus.request(subjects.SECRETS_REQUEST,
+                                           msgspec.json.encode(request), SECRETS_TIMEOUT_S)
+        except (nats.errors.TimeoutError, nats.errors.NoRespondersError) as exc:
+            raise Unavailable(f"no orchestrator answered for {cmd.task_id}'s secret "
+                              "values; the start is retried") from exc
+        try:
+            reply = msgspec.json.decode(data, type=SecretsReply)
+        except msgspec.DecodeError as exc:
+            raise Unavailable(f"unreadable answer for {cmd.task_id}'s secret values: "
+                              f"{exc}") from None
+        if reply.error and reply.transient:
+            raise Unavailable(reply.error)
+        if reply.error:
+            raise CannotStart(f"no secret values: {reply.error}")
+        return dict(reply.env)
 
     async def _report_not_started(self, cmd: StartTask, paths: TaskPaths, why: str) -> None:
         """TaskExited(started=False); the attempt counts as seen only once that is stored."""
@@ -329,6 +367,9 @@ class TaskRunner:
                 not await wait_group(task.process.pid, task.stop_deadline):
             task.killed_after_s = task.stop_grace_s
         group_left = signal_group(task.process.pid, signal.SIGKILL)
+        if not await output_written(task.process.pid):
+            log.warning("task.output_still_open", note="a process that left the step's group "
+                        "still holds its output; the tails may miss the last lines")
         for escalation in task.escalations:  # the timeout too: it must not fire any more
             escalation.cancel()
         if task.stop is None and not self._leased():

@@ -138,9 +138,9 @@ def passed_env(base: Mapping[str, str], extra: str = "") -> dict[str, str]:
 
 
 def task_env(base: Mapping[str, str], cmd: StartTask, node: NodeContext,
-             paths: TaskPaths) -> dict[str, str]:
-    """`base` (what the agent passes on: `passed_env`), then the step's `env`, then the
-    M27_* placement variables.
+             paths: TaskPaths, secrets: Mapping[str, str] | None = None) -> dict[str, str]:
+    """`base` (what the agent passes on: `passed_env`), then the step's `env` and its
+    `secrets` (read from m27_secrets), then the M27_* placement variables.
 
     CUDA_VISIBLE_DEVICES lists the task's GPUs ("" for CPU tasks, which hides every GPU);
     CUDA_DEVICE_ORDER=PCI_BUS_ID makes CUDA number GPUs the way NVML (and the scheduler)
@@ -148,6 +148,7 @@ def task_env(base: Mapping[str, str], cmd: StartTask, node: NodeContext,
     """
     env = dict(base)
     env.update(cmd.env)
+    env.update(secrets or {})
     for name in OPTIONAL_VARS:
         env.pop(name, None)
     gpu_ids = ",".join(str(i) for i in cmd.gpu_ids)

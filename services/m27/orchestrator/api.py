@@ -81,7 +81,8 @@ class PipelineServicer(pb_grpc.PipelineServiceServicer):
         if claimed_other:
             await refuse(context, PermissionDenied(claimed_other))
         spec = await self._load(request.pipeline_yaml, dict(request.vars), request.source_name,
-                                request.workdir, request.urgency, context)
+                                request.workdir, request.urgency, context,
+                                secrets=dict(request.secrets))
         too_urgent = api_access.urgency_problem(who, [s.urgency for s in spec.steps],
                                                 self.levels)
         if too_urgent:
@@ -89,14 +90,20 @@ class PipelineServicer(pb_grpc.PipelineServiceServicer):
         await self._check_capacity(spec, request.source_name, context)
         now = time.time()
         for _ in range(5):
-            stored = runs.new_run(spec, run_id=new_run_id(now), user=user,
+            run_id = new_run_id(now)
+            keys = await self.engine.secrets.store(run_id, spec.secret_sets)
+            stored = runs.new_run(spec, run_id=run_id, user=user,
                                   variables=spec.variables, workdir=request.workdir, now=now,
                                   use_cache=not request.no_cache,
-                                  source_name=request.source_name[:200])
+                                  source_name=request.source_name[:200], secret_keys=keys)
             try:
                 await self.engine.create(stored)
             except RunExistsError:
+                await self.engine.secrets.forget(keys)
                 continue
+            except BaseException:
+                await self.engine.secrets.forget(keys)
+                raise
             log.info("run.submitted", run_id=stored.run.run_id, user=user,
                      steps=len(stored.run.steps))
             return pb.SubmitPipelineResponse(run_id=stored.run.run_id)
@@ -106,7 +113,8 @@ class PipelineServicer(pb_grpc.PipelineServiceServicer):
     async def PlanPipeline(self, request: pb.PlanPipelineRequest,
                            context: Context) -> pb.PlanPipelineResponse:
         spec = await self._load(request.pipeline_yaml, dict(request.vars), request.source_name,
-                                request.workdir, pb.URGENCY_UNSPECIFIED, context)
+                                request.workdir, pb.URGENCY_UNSPECIFIED, context,
+                                secrets=dict(request.secrets))
         durations = await history.durations(self.store, spec.name)
         reuse = await history.predicted_reuse(self.engine.cache, spec, request.workdir,
                                               use_cache=not request.no_cache)
@@ -121,7 +129,7 @@ class PipelineServicer(pb_grpc.PipelineServiceServicer):
 
     async def _load(self, text: str, variables: dict[str, str], source_name: str,
                     workdir: str, urgency: pb.Urgency.ValueType,
-                    context: Context) -> PipelineSpec:
+                    context: Context, secrets: dict[str, str]) -> PipelineSpec:
         if len(workdir) > MAX_WORKDIR_CHARS or (workdir and not workdir.startswith("/")):
             await refuse(context, InvalidRequest(
                 f"workdir must be an absolute path, got {workdir[:200]!r}"))
@@ -133,7 +141,8 @@ class PipelineServicer(pb_grpc.PipelineServiceServicer):
                 return await in_child(
                     load_pipeline, text, variables, what="parsing",
                     source=source_name[:200] or "<pipeline>",
-                    gpu_light_share=self.gpu_light_share, urgency=given, workdir=workdir)
+                    gpu_light_share=self.gpu_light_share, urgency=given, workdir=workdir,
+                    secrets=secrets)
         except (PipelineError, ResourceExhausted) as exc:
             await refuse(context, exc)
 
@@ -202,7 +211,13 @@ class PipelineServicer(pb_grpc.PipelineServiceServicer):
 
     async def RetryRun(self, request: pb.RetryRunRequest,
                        context: Context) -> pb.RetryRunResponse:
-        await self._get(request.run_id, context)
+        current = await self._get(request.run_id, context)
+        if current.run.secret_keys and current.run.state in TERMINAL_RUN_STATES \
+                and await self.engine.secrets.missing(current.run):
+            await refuse(context, Refused(
+                f"run {request.run_id}'s secret values are gone (kept "
+                f"{subjects.SECRETS_TTL_S / 86400:.0f} days at most): submit the pipeline "
+                "again with its --secret values"))
         refusal: list[str] = []
         again: list[str] = []
 

@@ -74,14 +74,17 @@ def cacheable(run: RunRecord, step: StepRecord) -> str:
 
 
 def cache_key(run: RunRecord, step: StepRecord, input_digests: Mapping[str, str]) -> str:
-    """The hash of everything that determines the step's results (pure)."""
-    material = {
+    """The hash of everything that determines the step's results (pure). Secret values
+    are not in it (m27 never keeps them past the run), only their names."""
+    material: dict[str, object] = {
         "command": step.command, "type": step.type,
         "resources": msgspec.to_builtins(step.resources), "env": dict(sorted(step.env.items())),
         "workdir": step_workdir(run, step),
         "outputs": [absolute(run, step, o) for o in step.outputs],
         "inputs": sorted(input_digests.items()),
     }
+    if step.secret_env:
+        material["secret_env"] = sorted(step.secret_env)
     return hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()
 
 

@@ -18,6 +18,7 @@ from m27.common.logging import get_logger
 from m27.orchestrator import runs
 from m27.orchestrator.caching import Cache
 from m27.orchestrator.runs import StoredRun
+from m27.orchestrator.secrets import Secrets
 from m27.orchestrator.store import RunStore
 
 log = get_logger()
@@ -29,14 +30,28 @@ class Engine:
     def __init__(self, store: RunStore, cache: Cache) -> None:
         self.store = store
         self.cache = cache
+        self.secrets = Secrets(store.bus)
 
     async def create(self, stored: StoredRun) -> StoredRun:
         await self.store.create(stored)
-        return await self._follow_up(stored)
+        return await self._ended(stored.run.state, await self._follow_up(stored))
 
     async def change(self, run_id: str,
                      decide: Callable[[StoredRun], StoredRun | None]) -> StoredRun:
-        return await self._follow_up(await self.store.mutate(run_id, decide))
+        before: list[str] = []
+
+        def watched(current: StoredRun) -> StoredRun | None:
+            before[:] = [current.run.state]
+            return decide(current)
+
+        stored = await self._follow_up(await self.store.mutate(run_id, watched))
+        return await self._ended(before[0] if before else stored.run.state, stored)
+
+    async def _ended(self, before: str, stored: StoredRun) -> StoredRun:
+        """A run that has just succeeded needs its secret values no more."""
+        if stored.run.state == "succeeded" and before != "succeeded":
+            await self.secrets.forget(stored.run.secret_keys)
+        return stored
 
     async def step_succeeded(self, stored: StoredRun, name: str) -> None:
         """Keep the results of a step that succeeded by running, for later runs to reuse."""
@@ -72,6 +87,8 @@ class Engine:
             if runs.pending_cache_lookups(stored):
                 log.info("runs.recovering_cache_lookups", run_id=run_id)
                 await self._follow_up(stored)
+            if stored.run.state == "succeeded" and stored.run.secret_keys:
+                await self.secrets.forget_left(stored.run.secret_keys)  # a crash came between
 
 
 def _resolution(name: str, key: str, hit: runs.CacheHit | None

@@ -111,13 +111,16 @@ class _Change:
 
 
 def new_run(spec: PipelineSpec, *, run_id: str, user: str, variables: Mapping[str, str],
-            workdir: str, now: float, use_cache: bool = True,
-            source_name: str = "") -> StoredRun:
-    """A run of `spec` with its first steps released."""
+            workdir: str, now: float, use_cache: bool = True, source_name: str = "",
+            secret_keys: tuple[str, ...] = ()) -> StoredRun:
+    """A run of `spec` with its first steps released; `secret_keys` name where each of
+    `spec.secret_sets` is stored."""
+    if len(secret_keys) != len(spec.secret_sets):
+        raise ValueError(f"{len(spec.secret_sets)} secret sets, {len(secret_keys)} keys")
     run = RunRecord(run_id=run_id, name=spec.name, user=user, urgency=spec.urgency,
                     state="queued", created_at=now, steps=spec.steps, workdir=workdir,
                     vars=dict(variables), max_parallel=dict(spec.max_parallel),
-                    use_cache=use_cache, source_name=source_name)
+                    use_cache=use_cache, source_name=source_name, secret_keys=secret_keys)
     change = _Change(StoredRun(run=run), now)
     change.emit(subjects.run_state(run_id), events.RunSubmitted(
         at=now, run_id=run_id, name=spec.name, user=user, urgency=spec.urgency,
@@ -189,6 +192,7 @@ def _enqueue(run: RunRecord, step: StepRecord, now: float,
         attempt=step.attempt, step_type=step.type, resources=step.resources,
         urgency=step.urgency, user=run.user, command=step.command,
         workdir=step_workdir(run, step), env=dict(step.env),
+        secrets=run.secret_keys[step.secret_set] if step.secret_set >= 0 else "",
         checkpoint_interval_s=step.checkpoint_interval_s, timeout_s=step.timeout_s,
         outputs=step.outputs, preemptible=step.preemptible, not_before=not_before,
         checkpoint_signal=step.checkpoint_signal, inputs=paths_read(run, step),

@@ -6,6 +6,8 @@ runs in KV with an outbox, `engine` adds the follow-ups (cache), `api` is the gR
 
 from __future__ import annotations
 
+from nats.aio.msg import Msg
+
 from m27.common import api_access, subjects
 from m27.common import bus as bus_module
 from m27.common.api_auth import service_access
@@ -33,6 +35,12 @@ async def serve(rt: ServiceRuntime) -> None:
     await rt.serve_grpc([lambda server: pb_grpc.add_PipelineServiceServicer_to_server(
         servicer, server), cluster.register], [SERVICE_NAME, cluster_api.SERVICE_NAME])
     await engine.recover()
+
+    async def on_secrets_request(msg: Msg) -> None:
+        await engine.secrets.on_request(engine.store, msg)
+
+    secret_requests = await bus.nc.subscribe(subjects.SECRETS_REQUEST, queue="orchestrator",
+                                             cb=on_secrets_request)
     handlers = EventHandlers(engine)
     rt.spawn(bus_module.consume(
         bus.js, stream=subjects.EVENTS_STREAM, durable=subjects.ORCHESTRATOR_TASK_EVENTS,
@@ -44,3 +52,4 @@ async def serve(rt: ServiceRuntime) -> None:
         "reports")
     await rt.ready()
     await rt.stop.wait()
+    await secret_requests.unsubscribe()

@@ -20,10 +20,12 @@ TOP_KEYS: Final = ("name", "vars", "priority", "preemptible", "pipeline")
 STEP_KEYS: Final = ("name", "type", "command", "depends_on", "output", "outputs", "inputs",
                     "checkpoint", "resources", "priority", "preemptible", "retries",
                     "timeout", "env", "workdir", "matrix", "max_parallel",
-                    "checkpoint_signal")
+                    "checkpoint_signal", "secrets")
 RESOURCE_KEYS: Final = ("gpus", "gpu_memory", "cpus", "memory")
 RETRY_KEYS: Final = ("failure", "infrastructure", "backoff")
 BACKOFF_KEYS: Final = ("initial", "factor", "max")
+VAR_KEYS: Final = ("default", "secret")
+ENV_KEYS: Final = ("value", "secret")
 MAX_STEP_TEMPLATES: Final = 5000
 MAX_MATRIX_VALUES: Final = 1000
 MAX_LABEL: Final = 200
@@ -63,6 +65,7 @@ class RawStep:
     timeout_s: float | None = None
     env: list[Located] = field(default_factory=list)  # (NAME, value node)
     env_values: dict[str, str] = field(default_factory=dict)
+    secret_env: set[str] = field(default_factory=set)  # names whose value is secret
     workdir: Located | None = None
     matrix: list[tuple[str, list[str]]] = field(default_factory=list)
     max_parallel: int | None = None
@@ -79,6 +82,7 @@ class RawDocument:
     declared_vars: bool = False  # a `vars:` section is present
     vars: dict[str, str | None] = field(default_factory=dict)  # None: must be given
     var_nodes: dict[str, yaml.Node] = field(default_factory=dict)
+    secret_vars: set[str] = field(default_factory=set)  # `vars: {x: {secret: true}}`
     urgency: Urgency | None = None
     preemptible: bool | None = None
     steps: list[RawStep] = field(default_factory=list)
@@ -118,12 +122,19 @@ class DocumentReader(Reader):
         return next((u for u in URGENCIES if u == value), None)
 
     def _vars(self, node: yaml.Node, doc: RawDocument) -> None:
+        """`name: default`, `name:` (must be given), or `name: {default: …, secret: true}`."""
         for name, value in self.pairs(node, "vars", "variables with their defaults"):
             if not IDENTIFIER_RE.fullmatch(name):
                 self.problem(value, f"vars.{name}", f"invalid variable name {name!r}",
                              "use letters, digits and '_', not starting with a digit")
                 continue
             doc.var_nodes[name] = value
+            if isinstance(value, yaml.MappingNode):
+                fields = self.mapping(value, f"vars.{name}", VAR_KEYS, "a variable")
+                if "secret" in fields and self.boolean(fields["secret"],
+                                                       f"vars.{name}.secret"):
+                    doc.secret_vars.add(name)
+                value = fields.get("default", yaml.ScalarNode(NULL, "", value.start_mark))
             if isinstance(value, yaml.ScalarNode) and value.tag == NULL:
                 doc.vars[name] = None
             else:
@@ -155,6 +166,7 @@ class DocumentReader(Reader):
         if "retries" in fields:
             step.retry = self._retries(fields["retries"], f"{path}.retries")
         self._env(fields.get("env"), step)
+        self._env(fields.get("secrets"), step, secret=True)
         self._matrix(fields, step)
         return step
 
@@ -268,21 +280,39 @@ class DocumentReader(Reader):
                 values["factor"] = factor
         return values
 
-    def _env(self, node: yaml.Node | None, step: RawStep) -> None:
+    def _env(self, node: yaml.Node | None, step: RawStep, *, secret: bool = False) -> None:
+        """`env:` (`NAME: value` or `NAME: {value: …, secret: true}`) or `secrets:` (every
+        value secret)."""
         if node is None:
             return
-        path = f"{step.path}.env"
+        key = "secrets" if secret else "env"
+        path = f"{step.path}.{key}"
         for name, value in self.pairs(node, path, "environment variables"):
             if not IDENTIFIER_RE.fullmatch(name):
                 self.problem(value, f"{path}.{name}", f"invalid variable name {name!r}")
             elif name.startswith(RESERVED_ENV):
                 self.problem(value, f"{path}.{name}", f"{name} is set by m27",
                              "M27_* and CUDA_VISIBLE_DEVICES describe the step's placement")
+            elif name in step.env_values:
+                self.problem(value, f"{path}.{name}", f"{name} is set twice",
+                             "give each variable once, in `env:` or in `secrets:`")
             else:
+                marked = secret
+                if isinstance(value, yaml.MappingNode) and not secret:
+                    fields = self.mapping(value, f"{path}.{name}", ENV_KEYS, "a variable")
+                    if "secret" in fields:
+                        marked = bool(self.boolean(fields["secret"], f"{path}.{name}.secret"))
+                    if "value" not in fields:
+                        self.problem(value, f"{path}.{name}", "the variable has no `value`",
+                                     f"e.g. {name}: {{value: \"{{{{token}}}}\", secret: true}}")
+                        continue
+                    value = fields["value"]
                 text = self.string(value, f"{path}.{name}")
                 if text is not None:
                     step.env.append((name, value))
                     step.env_values[name] = text
+                    if marked:
+                        step.secret_env.add(name)
 
     def _matrix(self, fields: dict[str, yaml.Node], step: RawStep) -> None:
         path = step.path

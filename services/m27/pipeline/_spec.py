@@ -45,6 +45,10 @@ MAX_DEPENDENCIES: Final = 200_000
 MAX_HINTED: Final = 50
 MAX_COMMAND_BYTES: Final = 64 * 1024
 MAX_VAR_BYTES: Final = 64 * 1024
+#: Different sets of secret values one run may hand its steps (each is one KV entry; the
+#: steps of a sweep usually share one).
+MAX_SECRET_SETS: Final = 100
+MAX_SECRET_SET_BYTES: Final = 256 * 1024
 TENTH_TOLERANCE: Final = 1e-9
 
 
@@ -56,7 +60,10 @@ class PipelineSpec(msgspec.Struct, frozen=True, kw_only=True):
     urgency: Urgency
     steps: tuple[StepRecord, ...]
     max_parallel: dict[str, int] = msgspec.field(default_factory=dict)
-    variables: dict[str, str] = msgspec.field(default_factory=dict)
+    variables: dict[str, str] = msgspec.field(default_factory=dict)  # secret ones left out
+    #: The secret environment values, apart from the steps (which name theirs by
+    #: `secret_set`, an index here): stored apart and never shown.
+    secret_sets: tuple[dict[str, str], ...] = ()
 
     def graph(self) -> dict[str, tuple[str, ...]]:
         return {s.name: s.depends_on for s in self.steps}
@@ -74,11 +81,14 @@ class _Draft:
 
 def load_pipeline(text: str, variables: Mapping[str, str] | None = None, *,
                   source: str = "<pipeline>", gpu_light_share: float = 0.5,
-                  urgency: Urgency | None = None, workdir: str = "") -> PipelineSpec:
+                  urgency: Urgency | None = None, workdir: str = "",
+                  secrets: Mapping[str, str] | None = None) -> PipelineSpec:
     """Parse, validate, expand and fill in `text`; PipelineError lists every problem.
 
     `urgency` (the submitter's, if given) overrides the file's `priority:` for steps that
-    set none; `workdir` (the run's) makes output references absolute."""
+    set none; `workdir` (the run's) makes output references absolute. `secrets` are
+    values of secret variables (`--secret`): like `vars:` declared `secret: true`, they
+    may fill only environment values, and every value they fill is secret."""
     problems: list[Problem] = []
     if len(text.encode("utf-8", "surrogatepass")) > MAX_PIPELINE_BYTES:
         raise PipelineError(source, [Problem(
@@ -88,18 +98,23 @@ def load_pipeline(text: str, variables: Mapping[str, str] | None = None, *,
     if root is None:
         raise PipelineError(source, problems)
     doc = DocumentReader(problems).document(root, default_name=_default_name(source))
-    values = _variables(doc, dict(variables or {}), problems)
+    values, secret_vars = _variables(doc, dict(variables or {}), dict(secrets or {}),
+                                     problems)
     expanded = _expand(doc.steps, problems)
     if expanded is None or not _link(doc.steps, *expanded, problems):
         raise PipelineError(source, _unique(problems))  # too big to look at any further
     drafts, members = expanded
     order = _order(drafts, doc.steps, problems)
-    steps = _build(order, doc, values, members, gpu_light_share, urgency, workdir, problems)
+    sets = _SecretSets()
+    steps = _build(order, doc, values, secret_vars, members, gpu_light_share, urgency,
+                   workdir, sets, problems)
     if problems:
         raise PipelineError(source, _unique(problems))
     caps = {raw.name: raw.max_parallel for raw in doc.steps if raw.max_parallel}
+    plain = {k: v for k, v in values.items() if k not in secret_vars}
     return PipelineSpec(name=doc.name, urgency=urgency or doc.urgency or "normal",
-                        steps=tuple(steps), max_parallel=caps, variables=values)
+                        steps=tuple(steps), max_parallel=caps, variables=plain,
+                        secret_sets=tuple(sets.values))
 
 
 def _default_name(source: str) -> str:
@@ -112,10 +127,15 @@ def _unique(problems: list[Problem]) -> list[Problem]:
     return list(dict.fromkeys(problems))
 
 
-def _variables(doc: RawDocument, given: dict[str, str],
-               problems: list[Problem]) -> dict[str, str]:
-    """The values placeholders see: `vars:` defaults overlaid with the submitted ones."""
-    for name, value in given.items():
+def _variables(doc: RawDocument, given: dict[str, str], secrets: dict[str, str],
+               problems: list[Problem]) -> tuple[dict[str, str], frozenset[str]]:
+    """The values placeholders see (`vars:` defaults overlaid with the submitted ones,
+    secret ones included) and the names of the secret ones."""
+    for name in sorted(given.keys() & secrets.keys()):
+        problems.append(Problem(message=f"variable {name} was given both as --var and as "
+                                "--secret", hint="give it once"))
+    submitted = {**given, **secrets}
+    for name, value in submitted.items():
         if not VAR_NAME_RE.fullmatch(name):
             problems.append(Problem(message=f"invalid variable name {name!r}",
                                     hint="use letters, digits and '_', not starting with "
@@ -123,21 +143,41 @@ def _variables(doc: RawDocument, given: dict[str, str],
         elif "\x00" in value or len(value.encode("utf-8", "surrogatepass")) > MAX_VAR_BYTES:
             problems.append(Problem(message=f"variable {name} has a NUL byte or is longer "
                                     f"than {MAX_VAR_BYTES // 1024} KiB"))
+    secret = frozenset(doc.secret_vars | secrets.keys())
     if not doc.declared_vars:
-        return dict(given)
-    for name in given:
+        return submitted, secret
+    for name in submitted:
         if name not in doc.vars and VAR_NAME_RE.fullmatch(name):
             problems.append(Problem(
                 message=f"variable {name} was given but the pipeline does not declare it",
                 hint=did_you_mean(name, sorted(doc.vars))
                 or f"declared: {', '.join(doc.vars) or 'none'}"))
     for name, default in doc.vars.items():
-        if default is None and name not in given:
+        if default is None and name not in submitted:
+            how = f"--secret {name}" if name in secret else f"--var {name}=VALUE"
             problems.append(problem_at(doc.var_nodes.get(name), f"vars.{name}",
                                        f"variable `{name}` has no default and was not given",
-                                       f"pass it with `--var {name}=VALUE`"))
+                                       f"pass it with `{how}`"))
     defaults = {k: v for k, v in doc.vars.items() if v is not None}
-    return {**defaults, **given}
+    return {**defaults, **submitted}, secret
+
+
+class _SecretSets:
+    """The distinct sets of secret environment values of a run, each stored once."""
+
+    def __init__(self) -> None:
+        self.values: list[dict[str, str]] = []
+        self._index: dict[tuple[tuple[str, str], ...], int] = {}
+
+    def add(self, env: dict[str, str]) -> int | None:
+        """The index of `env`'s set; None when the run already has MAX_SECRET_SETS."""
+        key = tuple(sorted(env.items()))
+        if key not in self._index:
+            if len(self.values) >= MAX_SECRET_SETS:
+                return None
+            self._index[key] = len(self.values)
+            self.values.append(dict(key))
+        return self._index[key]
 
 
 def _expand(raws: list[RawStep], problems: list[Problem]
@@ -279,8 +319,9 @@ def _reference_path(path: str, step_workdir: str, run_workdir: str) -> str:
 
 
 def _build(order: Sequence[_Draft], doc: RawDocument, values: dict[str, str],
-           members: dict[str, list[str]], share: float, urgency: Urgency | None,
-           run_workdir: str, problems: list[Problem]) -> list[StepRecord]:
+           secret_vars: frozenset[str], members: dict[str, list[str]], share: float,
+           urgency: Urgency | None, run_workdir: str, sets: _SecretSets,
+           problems: list[Problem]) -> list[StepRecord]:
     kinds = {raw.index: _kind(raw, share, problems) for raw in doc.steps}
     sweeps = {raw.name: len(members[raw.name]) for raw in doc.steps if raw.matrix}
     graph = {d.name: d.depends_on for d in order}
@@ -292,8 +333,8 @@ def _build(order: Sequence[_Draft], doc: RawDocument, values: dict[str, str],
         scope = Scope(variables=values, matrix=draft.matrix, outputs=referable,
                       members=sweeps, all_steps=names,
                       declared_vars=doc.declared_vars,
-                      reaches=_reach(graph, draft.name, members))
-        step = _step(draft, kinds[raw.index], scope, doc, urgency, problems)
+                      reaches=_reach(graph, draft.name, members), secret_vars=secret_vars)
+        step = _step(draft, kinds[raw.index], scope, doc, urgency, sets, problems)
         steps.append(step)
         paths = [_reference_path(o, step.workdir, run_workdir) for o in step.outputs]
         referable[draft.name] = paths
@@ -322,7 +363,7 @@ def _reach(graph: Mapping[str, Sequence[str]], start: str,
 
 
 def _step(draft: _Draft, kind: tuple[StepType, Resources], scope: Scope, doc: RawDocument,
-          urgency: Urgency | None, problems: list[Problem]) -> StepRecord:
+          urgency: Urgency | None, sets: _SecretSets, problems: list[Problem]) -> StepRecord:
     raw = draft.raw
 
     def renderer(node: yaml.Node | None, path: str) -> Renderer:
@@ -336,6 +377,16 @@ def _step(draft: _Draft, kind: tuple[StepType, Resources], scope: Scope, doc: Ra
         problems.append(problem_at(raw.command_node, f"{raw.path}.command",
                                    f"the command is longer than {MAX_COMMAND_BYTES // 1024} KiB"))
     workdir = renderer(raw.workdir[1], "workdir").raw(raw.workdir[0]) if raw.workdir else ""
+    env, secret = _environment(raw, scope, problems)
+    secret_set = -1
+    if secret:
+        got = sets.add(secret)
+        if got is None:
+            problems.append(problem_at(raw.node, f"{raw.path}.secrets",
+                                       f"the run's steps have more than {MAX_SECRET_SETS} "
+                                       "different sets of secret values",
+                                       "give a sweep's members the same secrets"))
+        secret_set = -1 if got is None else got
     return StepRecord(
         name=draft.name, type=kind[0], command=command, depends_on=draft.depends_on,
         outputs=tuple(renderer(n, "outputs").raw(v) for v, n in raw.outputs),
@@ -345,6 +396,29 @@ def _step(draft: _Draft, kind: tuple[StepType, Resources], scope: Scope, doc: Ra
         preemptible=raw.preemptible if raw.preemptible is not None
         else bool(doc.preemptible),
         retry=raw.retry, timeout_s=raw.timeout_s,
-        env={k: renderer(n, f"env.{k}").raw(raw.env_values[k]) for k, n in raw.env},
-        workdir=workdir, group=raw.name if raw.matrix else "", matrix=draft.matrix,
+        env=env, secret_env=tuple(sorted(secret)), secret_set=secret_set, workdir=workdir,
+        group=raw.name if raw.matrix else "", matrix=draft.matrix,
         checkpoint_signal=raw.checkpoint_signal)
+
+
+def _environment(raw: RawStep, scope: Scope, problems: list[Problem]
+                 ) -> tuple[dict[str, str], dict[str, str]]:
+    """The step's plain and secret environment values. A value is secret when it is
+    marked so (`secrets:`, `secret: true`) or fills in a secret variable."""
+    plain: dict[str, str] = {}
+    secret: dict[str, str] = {}
+    for name, node in raw.env:
+        where = f"{raw.path}.{'secrets' if name in raw.secret_env else 'env'}.{name}"
+        renderer = Renderer(scope, node, where, problems, secrets_allowed=True)
+        value = renderer.raw(raw.env_values[name])
+        if name in raw.secret_env or renderer.used_secret:
+            secret[name] = value
+        else:
+            plain[name] = value
+    size = sum(len(k) + len(v.encode("utf-8", "surrogatepass")) for k, v in secret.items())
+    if size > MAX_SECRET_SET_BYTES:
+        problems.append(problem_at(raw.node, f"{raw.path}.secrets",
+                                   f"the step's secret values take more than "
+                                   f"{MAX_SECRET_SET_BYTES // 1024} KiB",
+                                   "pass a path to a file the step reads instead"))
+    return plain, secret

@@ -1,6 +1,7 @@
 """`{{...}}` placeholders (pure): variables, matrix values, and earlier steps' outputs.
 
-    {{NAME}}                 a variable (`vars:` default, `--var NAME=VALUE`)
+    {{NAME}}                 a variable (`vars:` default, `--var NAME=VALUE`, or a secret
+                             one, `--secret NAME`: allowed only in `env:`/`secrets:` values)
     {{matrix.KEY}}           this sweep member's value of axis KEY
     {{steps.STEP.output}}    the first output path of STEP (a step this one depends on)
     {{steps.STEP.outputs}}   all of STEP's output paths (of every member, for a matrix step)
@@ -39,17 +40,21 @@ class Scope:
     all_steps: Sequence[str]  # every step and sweep name, for "did you mean"
     declared_vars: bool  # the pipeline has a `vars:` section
     reaches: Callable[[str], bool]  # does this step depend (transitively) on that one?
+    secret_vars: frozenset[str] = frozenset()  # variables whose values are secret
 
 
 class Renderer:
     """Fills placeholders in one field, recording a Problem for each one it cannot fill."""
 
     def __init__(self, scope: Scope, node: yaml.Node | None, path: str,
-                 problems: list[Problem]) -> None:
+                 problems: list[Problem], *, secrets_allowed: bool = False) -> None:
         self.scope = scope
         self.node = node
         self.path = path
         self.problems = problems
+        self.secrets_allowed = secrets_allowed
+        #: A secret variable was filled in: the result is secret too.
+        self.used_secret = False
 
     def shell(self, template: str) -> str:
         return shellquote.substitute(template, PLACEHOLDER_RE, self._value)
@@ -80,8 +85,20 @@ class Renderer:
         return None
 
     def _variable(self, name: str) -> str | None:
+        if name in self.scope.secret_vars:
+            if not self.secrets_allowed:
+                self._problem(f"`{{{{{name}}}}}` is a secret variable: only `env:` and "
+                              "`secrets:` values may use it (m27 stores and shows commands "
+                              "and paths)", f"set `secrets: {{NAME: \"{{{{{name}}}}}\"}}` "
+                              "and read $NAME in the command")
+                return None
+            self.used_secret = True
         if name in self.scope.variables:
             return self.scope.variables[name]
+        if name in self.scope.secret_vars:
+            self._problem(f"secret variable `{name}` was not given",
+                          f"pass it with `--secret {name}`")
+            return None
         hint = did_you_mean(name, sorted(self.scope.variables))
         if not hint:
             hint = (f"declare it under `vars:` or pass `--var {name}=VALUE`"

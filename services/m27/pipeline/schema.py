@@ -109,9 +109,19 @@ def _top_entries() -> dict[str, JSON]:
             "propertyNames": {"pattern": IDENTIFIER_RE,
                               "description": "Letters, digits and '_', not starting with a "
                                              "digit."},
-            "additionalProperties": {"type": ["string", "number", "boolean", "null"],
-                                     "description": "The default value (read as text), or "
-                                                    "null for none."},
+            "additionalProperties": {"anyOf": [
+                {"type": ["string", "number", "boolean", "null"],
+                 "description": "The default value (read as text), or null for none."},
+                {"type": "object", "additionalProperties": False,
+                 "description": "A variable with options.",
+                 "properties": {
+                     "default": {"type": ["string", "number", "boolean", "null"],
+                                 "description": "The default value, or null for none."},
+                     "secret": {"type": "boolean",
+                                "description": "The value is secret: given with `--secret "
+                                               "NAME`, usable only in `env`/`secrets` "
+                                               "values, never stored with the run or "
+                                               "shown."}}}]},
         },
         "priority": _ref("urgency", "The urgency of every step that sets none; the "
                          "submitter's urgency, if given, overrides it. Default: normal."),
@@ -154,6 +164,7 @@ def _defs() -> JSON:
         "retries": _retries_def(),
         "backoff": _backoff_def(),
         "env": _env_def(),
+        "secrets": _env_def(secret=True),
         "matrix": _matrix_def(),
     }
 
@@ -257,6 +268,8 @@ def _step_runtime() -> dict[str, JSON]:
         "timeout": _ref("duration", "How long an attempt may run before it is stopped "
                         "(and counted as a failure)."),
         "env": _ref("env", "Environment variables for the command."),
+        "secrets": _ref("secrets", "Secret environment variables for the command: stored "
+                        "apart from the run, masked in its logs, never shown."),
         "workdir": _ref("text", "The step's working directory: absolute, or relative to "
                         "the run's. Placeholders are filled in."),
         "matrix": _ref("matrix", "Makes the step a sweep: one step per combination of "
@@ -359,16 +372,27 @@ def _backoff_def() -> JSON:
     }
 
 
-def _env_def() -> JSON:
+def _env_def(*, secret: bool = False) -> JSON:
     reserved = ", ".join(f"{r}*" if r.endswith("_") else r for r in _document.RESERVED_ENV)
+    value: JSON = _ref("text", "The variable's value.")
+    if not secret:
+        value = {"anyOf": [value, {
+            "type": "object", "additionalProperties": False, "required": ["value"],
+            "description": "A variable with options.",
+            "properties": {"value": _ref("text", "The variable's value."),
+                           "secret": {"type": "boolean",
+                                      "description": "The value is secret (as if under "
+                                                     "`secrets:`)."}}}]}
     return {
-        "description": "Environment variables for the command: NAME: value. Placeholders "
-                       "in values are filled in.",
+        "description": ("Secret environment variables: NAME: value, each secret."
+                        if secret else "Environment variables for the command: NAME: value."
+                        ) + " Placeholders in values are filled in; a value that fills in "
+                        "a secret variable is secret.",
         "type": "object",
         "propertyNames": {"description": f"Letters, digits and '_', not starting with a "
                                          f"digit; not {reserved} (set by m27).",
                           "pattern": IDENTIFIER_RE, "not": {"pattern": RESERVED_ENV_RE}},
-        "additionalProperties": _ref("text", "The variable's value."),
+        "additionalProperties": value,
     }
 
 

@@ -11,6 +11,7 @@ from typing import Final, get_args
 
 from m27 import __version__
 from m27.common.model import RunRecord, StepRecord, StepState
+from m27.common.proto import MASKED
 from m27.report._style import CSS
 from m27.report._text import (
     NO_VALUE,
@@ -170,10 +171,21 @@ def _step_detail(index: int, step: StepRecord) -> str:
     after = (f'<p class="muted">After: {esc(", ".join(step.depends_on))}</p>\n'
              if step.depends_on else "")
     blocks = [f'<h3>Command</h3>\n{after}<pre class="cmd">{esc(step.command)}</pre>',
+              _environment(step),
               _tail("stderr", step.stderr_tail, step.stderr_path),
               _tail("stdout", step.stdout_tail, step.stdout_path)]
     return (f'<details id="step-{index}"{opened}>\n{summary}\n' + "\n".join(blocks)
             + "\n</details>")
+
+
+def _environment(step: StepRecord) -> str:
+    """The pipeline's environment for the step; a secret's value reads `***` (the report
+    never gets it: the run record holds only its name)."""
+    shown = {**step.env, **dict.fromkeys(step.secret_env, MASKED)}
+    if not shown:
+        return ""
+    lines = "\n".join(f"{esc(name)}={esc(value)}" for name, value in sorted(shown.items()))
+    return f'<h3>Environment</h3>\n<pre class="env">{lines}</pre>'
 
 
 def _facts(step: StepRecord) -> str:

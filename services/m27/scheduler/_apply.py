@@ -107,7 +107,8 @@ class Effects:
         start = events.StartTask(
             at=now, task_id=task.task_id, run_id=task.run_id, step=task.step,
             attempt=task.attempt, step_type=task.step_type, command=task.command,
-            workdir=task.workdir, env=task.env, gpu_ids=placement.gpu_ids, gpu_share=share,
+            workdir=task.workdir, env=task.env, secrets=task.secrets,
+            gpu_ids=placement.gpu_ids, gpu_share=share,
             gpu_memory_mb=task.resources.gpu_memory_mb,
             checkpoint_interval_s=task.checkpoint_interval_s, timeout_s=task.timeout_s,
             outputs=task.outputs, checkpoint_signal=task.checkpoint_signal,

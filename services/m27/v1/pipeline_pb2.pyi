@@ -164,6 +164,26 @@ class SubmitPipelineRequest(_message.Message):
         def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
         def WhichOneof(self, oneof_group: _Never) -> None: ...
 
+    @_typing.final
+    class SecretsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     PIPELINE_YAML_FIELD_NUMBER: _builtins.int
     VARS_FIELD_NUMBER: _builtins.int
     USER_FIELD_NUMBER: _builtins.int
@@ -171,6 +191,7 @@ class SubmitPipelineRequest(_message.Message):
     WORKDIR_FIELD_NUMBER: _builtins.int
     SOURCE_NAME_FIELD_NUMBER: _builtins.int
     NO_CACHE_FIELD_NUMBER: _builtins.int
+    SECRETS_FIELD_NUMBER: _builtins.int
     pipeline_yaml: _builtins.str
     user: _builtins.str
     urgency: Global___Urgency.ValueType
@@ -184,6 +205,13 @@ class SubmitPipelineRequest(_message.Message):
     def vars(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
         """Values for {{NAME}} placeholders in commands."""
 
+    @_builtins.property
+    def secrets(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """Values of secret variables (`--secret NAME`): usable only in `env:`/`secrets:` values,
+        stored apart from the run (bucket m27_secrets), handed to the steps' environment,
+        masked in their logs, never returned or logged.
+        """
+
     def __init__(
         self,
         *,
@@ -194,10 +222,11 @@ class SubmitPipelineRequest(_message.Message):
         workdir: _builtins.str = ...,
         source_name: _builtins.str = ...,
         no_cache: _builtins.bool = ...,
+        secrets: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["no_cache", b"no_cache", "pipeline_yaml", b"pipeline_yaml", "source_name", b"source_name", "urgency", b"urgency", "user", b"user", "vars", b"vars", "workdir", b"workdir"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["no_cache", b"no_cache", "pipeline_yaml", b"pipeline_yaml", "secrets", b"secrets", "source_name", b"source_name", "urgency", b"urgency", "user", b"user", "vars", b"vars", "workdir", b"workdir"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -483,17 +512,42 @@ class PlanPipelineRequest(_message.Message):
         def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
         def WhichOneof(self, oneof_group: _Never) -> None: ...
 
+    @_typing.final
+    class SecretsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     PIPELINE_YAML_FIELD_NUMBER: _builtins.int
     VARS_FIELD_NUMBER: _builtins.int
     SOURCE_NAME_FIELD_NUMBER: _builtins.int
     WORKDIR_FIELD_NUMBER: _builtins.int
     NO_CACHE_FIELD_NUMBER: _builtins.int
+    SECRETS_FIELD_NUMBER: _builtins.int
     pipeline_yaml: _builtins.str
     source_name: _builtins.str
     workdir: _builtins.str
     no_cache: _builtins.bool
     @_builtins.property
     def vars(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]: ...
+    @_builtins.property
+    def secrets(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """Values of secret variables; used only to check the pipeline, never stored."""
+
     def __init__(
         self,
         *,
@@ -502,10 +556,11 @@ class PlanPipelineRequest(_message.Message):
         source_name: _builtins.str = ...,
         workdir: _builtins.str = ...,
         no_cache: _builtins.bool = ...,
+        secrets: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["no_cache", b"no_cache", "pipeline_yaml", b"pipeline_yaml", "source_name", b"source_name", "vars", b"vars", "workdir", b"workdir"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["no_cache", b"no_cache", "pipeline_yaml", b"pipeline_yaml", "secrets", b"secrets", "source_name", b"source_name", "vars", b"vars", "workdir", b"workdir"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -642,6 +697,26 @@ class Step(_message.Message):
         def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
         def WhichOneof(self, oneof_group: _Never) -> None: ...
 
+    @_typing.final
+    class EnvEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     NAME_FIELD_NUMBER: _builtins.int
     TYPE_FIELD_NUMBER: _builtins.int
     STATE_FIELD_NUMBER: _builtins.int
@@ -678,6 +753,8 @@ class Step(_message.Message):
     ENERGY_J_FIELD_NUMBER: _builtins.int
     PREEMPTIONS_FIELD_NUMBER: _builtins.int
     CHECKPOINT_INTERVAL_S_FIELD_NUMBER: _builtins.int
+    ENV_FIELD_NUMBER: _builtins.int
+    SECRET_ENV_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     type: Global___StepType.ValueType
     state: Global___StepState.ValueType
@@ -733,6 +810,14 @@ class Step(_message.Message):
     def history(self) -> _containers.RepeatedCompositeFieldContainer[Global___Attempt]: ...
     @_builtins.property
     def resources(self) -> Global___Resources: ...
+    @_builtins.property
+    def env(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """The step's environment variables from the pipeline; secret ones read "***"."""
+
+    @_builtins.property
+    def secret_env(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Names of the secret ones (their values are never returned)."""
+
     def __init__(
         self,
         *,
@@ -772,10 +857,12 @@ class Step(_message.Message):
         energy_j: _builtins.float = ...,
         preemptions: _builtins.int = ...,
         checkpoint_interval_s: _builtins.float = ...,
+        env: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        secret_env: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_exit_code", b"_exit_code", "exit_code", b"exit_code", "resources", b"resources"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_exit_code", b"_exit_code", "attempt", b"attempt", "cached_from", b"cached_from", "checkpoint_interval_s", b"checkpoint_interval_s", "command", b"command", "depends_on", b"depends_on", "ended_at", b"ended_at", "energy_j", b"energy_j", "exit_code", b"exit_code", "failures", b"failures", "gpu_ids", b"gpu_ids", "gpu_share", b"gpu_share", "gpu_simulated", b"gpu_simulated", "group", b"group", "history", b"history", "infra_failures", b"infra_failures", "inputs", b"inputs", "matrix", b"matrix", "name", b"name", "node_id", b"node_id", "output", b"output", "outputs", b"outputs", "preemptible", b"preemptible", "preemptions", b"preemptions", "queued_at", b"queued_at", "reason", b"reason", "resources", b"resources", "started_at", b"started_at", "state", b"state", "stderr_path", b"stderr_path", "stderr_tail", b"stderr_tail", "stdout_path", b"stdout_path", "stdout_tail", b"stdout_tail", "timeout_s", b"timeout_s", "type", b"type", "urgency", b"urgency", "workdir", b"workdir"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_exit_code", b"_exit_code", "attempt", b"attempt", "cached_from", b"cached_from", "checkpoint_interval_s", b"checkpoint_interval_s", "command", b"command", "depends_on", b"depends_on", "ended_at", b"ended_at", "energy_j", b"energy_j", "env", b"env", "exit_code", b"exit_code", "failures", b"failures", "gpu_ids", b"gpu_ids", "gpu_share", b"gpu_share", "gpu_simulated", b"gpu_simulated", "group", b"group", "history", b"history", "infra_failures", b"infra_failures", "inputs", b"inputs", "matrix", b"matrix", "name", b"name", "node_id", b"node_id", "output", b"output", "outputs", b"outputs", "preemptible", b"preemptible", "preemptions", b"preemptions", "queued_at", b"queued_at", "reason", b"reason", "resources", b"resources", "secret_env", b"secret_env", "started_at", b"started_at", "state", b"state", "stderr_path", b"stderr_path", "stderr_tail", b"stderr_tail", "stdout_path", b"stdout_path", "stdout_tail", b"stdout_tail", "timeout_s", b"timeout_s", "type", b"type", "urgency", b"urgency", "workdir", b"workdir"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__exit_code: _TypeAlias = _typing.Literal["exit_code"]  # noqa: Y015
     _WhichOneofArgType__exit_code: _TypeAlias = _typing.Literal["_exit_code", b"_exit_code"]  # noqa: Y015

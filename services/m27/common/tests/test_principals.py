@@ -64,6 +64,8 @@ def test_each_record_and_command_has_exactly_its_one_writer() -> None:
         "m27.events.run.r-1.step.train": {"orchestrator"},
         "m27.events.run.r-1.report": {"report"},
         "m27.heartbeat.gpu-1": {"node-gpu-1"},
+        "$KV.m27_secrets.r-1.0.abc": {"orchestrator"},
+        subjects.SECRETS_REQUEST: {"node-gpu-1"},
         subjects.task_events("r-1", "train", "node-gpu-1"): {"node-gpu-1"},
         subjects.task_events("r-1", "train", "scheduler"): {"scheduler"},
         subjects.task_events("r-1", "train", "checkpoint-store"): {"checkpoint-store"},
@@ -76,7 +78,48 @@ def test_no_one_but_the_scheduler_and_the_admin_may_subscribe_to_heartbeats() ->
     for who in EVERYONE:
         allowed = permissions(who).subscribe
         assert all(s.startswith(who.inbox + ".") or who.role == "scheduler"
+                   or (who.role, s) == ("orchestrator", subjects.SECRETS_REQUEST)
                    for s in allowed), who.name
+
+
+def may_subscribe(who: Principal, subject: str) -> bool:
+    return any(matches(pattern, subject) for pattern in permissions(who).subscribe)
+
+
+def test_only_the_orchestrator_may_read_the_secrets_bucket_or_hear_requests_for_it() -> None:
+    """Reading a value (by key or sequence, or by a wildcard filter on the direct-get
+    subject, which JetStream serves as the last match), looking at the bucket's stream
+    (its info lists the keys), or overhearing a put or a secrets request."""
+    reads = ["$JS.API.STREAM.MSG.GET.KV_m27_secrets", "$JS.API.DIRECT.GET.KV_m27_secrets",
+             "$JS.API.DIRECT.GET.KV_m27_secrets.$KV.m27_secrets.>",
+             "$JS.API.DIRECT.GET.KV_m27_secrets.$KV.m27_secrets.r-1.0.abc",
+             "$JS.API.STREAM.INFO.KV_m27_secrets",
+             "$JS.API.CONSUMER.CREATE.KV_m27_secrets",
+             "$JS.API.CONSUMER.CREATE.KV_m27_secrets.x.$KV.m27_secrets.>"]
+    for who in EVERYONE:
+        allowed = {s for s in reads if may_publish(who, s)}
+        if who.role == "orchestrator":
+            assert allowed >= set(reads[:5]), allowed
+        else:
+            assert not allowed, who.name
+        assert may_subscribe(who, "$KV.m27_secrets.r-1.0.abc") is False, who.name
+        assert may_subscribe(who, subjects.SECRETS_REQUEST) == (who.role == "orchestrator")
+        # it answers on the asker's reply subject only, never publishes to an inbox
+        assert permissions(who).allow_responses == (who.role == "orchestrator")
+        assert not may_publish(who, "_INBOX_node-gpu-1.x")
+
+
+@given(node_ids, node_ids)
+def test_only_a_nodes_own_inbox_names_it(mine: str, other: str) -> None:
+    """The orchestrator answers a secrets request on its reply subject and takes the
+    inbox's node as the asker: only that node may subscribe to it."""
+    inbox = principal("node-agent", mine).inbox
+    assert subjects.inbox_node(f"{inbox}.abc") == mine
+    assert subjects.inbox_node(inbox) is None
+    assert subjects.inbox_node("_INBOX_orchestrator.x") is None
+    if mine != other:
+        assert not may_subscribe(principal("node-agent", other), f"{inbox}.abc")
+    assert not any(may_subscribe(who, f"{inbox}.abc") for who in NON_ADMIN)
 
 
 @given(node_ids, node_ids)

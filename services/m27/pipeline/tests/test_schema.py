@@ -30,6 +30,7 @@ name: md-study
 vars:
   INPUT_FILE: data/1abc.pdb
   SEEDS: ~
+  TOKEN: {secret: true}
 priority: high
 preemptible: true
 pipeline:
@@ -39,7 +40,8 @@ pipeline:
     output: prepared.pdb
     inputs: ["{{INPUT_FILE}}"]
     workdir: prep
-    env: {OMP_NUM_THREADS: 4, DATA: "{{INPUT_FILE}}"}
+    env: {OMP_NUM_THREADS: 4, DATA: "{{INPUT_FILE}}", KEY: {value: "{{TOKEN}}", secret: true}}
+    secrets: {API_TOKEN: "{{TOKEN}}"}
     resources: {cpus: 4, memory: 8GiB}
   - name: md
     type: gpu
@@ -162,7 +164,7 @@ def test_full_example_uses_every_key_and_validates() -> None:
     assert set(retries) == set(_document.RETRY_KEYS)
     assert set(retries["backoff"]) == set(_document.BACKOFF_KEYS)
     assert schema_accepts(data)
-    spec = load_pipeline(FULL, {"SEEDS": "1 2"}, source="full.yaml")
+    spec = load_pipeline(FULL, {"SEEDS": "1 2"}, source="full.yaml", secrets={"TOKEN": "t0k"})
     assert len(spec.steps) == 6
 
 
@@ -235,6 +237,11 @@ AGREEMENT = [
     ("env: {CUDA_VISIBLE_DEVICES: 0}", False), ("env: {CUDA_DEVICE_ORDER: x}", False),
     ("env: {M27: y}", True), ("env: {1A: x}", False), ("env: {A-B: x}", False),
     ("env: {A: ~}", False), ("env: {A: [1]}", False), ("env: [A]", False),
+    ("env: {A: {value: x, secret: true}}", True), ("env: {A: {value: x}}", True),
+    ("env: {A: {secret: true}}", False), ("env: {A: {value: x, secret: 1}}", False),
+    ("env: {A: {value: x, hidden: true}}", False),
+    ("secrets: {S3_KEY: x, N: 1}", True), ("secrets: {M27_X: y}", False),
+    ("secrets: {A: {value: x}}", False), ("secrets: [A]", False),
     ("matrix: {lr: [0.1, 0.01], seed: 1}", True), ("matrix: {}", False),
     ("matrix: {lr: []}", False), ("matrix: {lr: [1, 1]}", False),
     ("matrix: {1lr: [1]}", False), ("matrix: {lr: [~]}", False),

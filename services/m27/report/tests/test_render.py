@@ -158,6 +158,7 @@ HOSTILE_FIELDS: dict[str, Any] = {
     "stdout tail": lambda v: run(finished("a", stdout_tail=v)),
     "step reason": lambda v: run(finished("a", reason=v)),
     "node id": lambda v: run(finished("a", node_id=v)),
+    "env value": lambda v: run(finished("a", env={"X": v})),
     "log path": lambda v: run(finished("a", stderr_path=v, stdout_path=v)),
     "dependency": lambda v: run(finished("a", depends_on=(v,))),
 }
@@ -187,6 +188,13 @@ def test_control_characters_are_removed(field: str, make: Any) -> None:
     for char in "\x00\x07\x1b\u202e\x7f\x9b":
         assert char not in document, (field, char)
     assert "okEVILdone" in document
+
+
+def test_the_environment_is_shown_with_secrets_masked() -> None:
+    document = render(run(finished("a", env={"OMP_NUM_THREADS": "4"},
+                                   secret_env=("API_TOKEN",))))
+    assert "API_TOKEN=***\nOMP_NUM_THREADS=4" in document
+    assert "Environment" not in render(run(finished("b")))
 
 
 def test_newlines_and_tabs_in_a_command_are_kept() -> None:
