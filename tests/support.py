@@ -3,19 +3,22 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import subprocess
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
+import grpc
 import msgspec
 
 from m27.client import Client
 from m27.common import api_auth, tokens
 from m27.common.api_auth import ApiAccess, Keys
+from m27.common.config import NatsSection, load_config
 from m27.common.model import RunRecord
-from m27.embedded import NatsServer
+from m27.embedded import NatsServer, system
 from m27.embedded.processes import ServiceProcess, launch, stop, wait_ready
 
 
@@ -33,12 +36,15 @@ class Cluster:
     """A whole m27 on loopback: nats-server plus the five services as real processes."""
 
     def __init__(self, root: Path, nodes: int = 1, gpus: str = "sim:2",
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, api_tls: bool = False) -> None:
+        """`api_tls`: every gRPC server on mutual TLS (`[api]` certificates), as a
+        deployment beyond loopback must run."""
         self.root = root
         self.home = root / "home"
         self.home.mkdir(parents=True, exist_ok=True)
         config = root / "m2config"
-        config.write_text("")
+        self.certs = make_certificates(root / "tls") if api_tls else None
+        config.write_text(api_tls_config(self.certs) if self.certs else "")
         token_file = api_auth.ensure_cli_token(self.home, api_auth.login_name())
         keys = token_file.parent  # named, so a node-agent with a home of its own has them
         self.env = {**os.environ, "M27_HOME": str(self.home), "M27_CONFIG": str(config),
@@ -46,7 +52,7 @@ class Cluster:
                     "M27_API_NODE_KEY_FILE": str(keys / api_auth.NODE_KEY), **(env or {})}
         self.nats = NatsServer(root / "nats")
         #: The admin's access `m27 up` would give; `access_as` makes other users'.
-        self.access = ApiAccess(token=token_file.read_text().strip())
+        self.access = self.with_token(token_file.read_text().strip())
         self.keys = home_keys(self.home)
         self.nodes = nodes
         self.gpus = gpus
@@ -55,8 +61,24 @@ class Cluster:
     def access_as(self, user: str, role: tokens.ApiRole = "user", **scope: object) -> ApiAccess:
         """A token for `user` in `role` (a step's: task_id=, attempt=), as an admin's
         `m27 api token create` (or a node-agent, for node and step tokens) would sign it."""
-        return ApiAccess(token=self.keys.mint(user=user, role=role, ttl_s=0.0,
+        return self.with_token(self.keys.mint(user=user, role=role, ttl_s=0.0,
                                               **scope))  # type: ignore[arg-type]
+
+    def with_token(self, token: str) -> ApiAccess:
+        """Calls carrying `token`, over TLS with a client certificate when the API has it."""
+        if self.certs is None:
+            return ApiAccess(token=token)
+        return ApiAccess(token=token, tls_ca=str(self.certs.ca),
+                         client_cert=str(self.certs.client_cert),
+                         client_key=str(self.certs.client_key))
+
+    def bare_channel(self, target: str) -> grpc.aio.Channel:
+        """A channel that carries no token: plaintext, or TLS with a client certificate."""
+        if self.certs is None:
+            return grpc.aio.insecure_channel(target)
+        return grpc.aio.secure_channel(target, grpc.ssl_channel_credentials(
+            self.certs.ca.read_bytes(), self.certs.client_key.read_bytes(),
+            self.certs.client_cert.read_bytes()))
 
     def client(self, access: ApiAccess | None = None) -> Client:
         """A client of this system's API (as its admin unless `access` says otherwise)."""
@@ -242,3 +264,49 @@ def make_certificates(directory: Path) -> Certificates:
                         server_key=directory / "server.key",
                         client_cert=directory / "client.pem",
                         client_key=directory / "client.key")
+
+
+def api_tls_config(certs: Certificates) -> str:
+    """The m2config `[api]` section for mutual TLS on every gRPC server and client."""
+    return ("[api]\n"
+            f"tls_cert = {certs.server_cert}\ntls_key = {certs.server_key}\n"
+            f"tls_client_ca = {certs.ca}\ntls_ca = {certs.ca}\n"
+            f"client_cert = {certs.client_cert}\nclient_key = {certs.client_key}\n")
+
+
+def tls_config(certs: Certificates) -> str:
+    """An m2config with mutual TLS for NATS (server and clients) and the API."""
+    return ("[nats]\n"
+            f"server_cert = {certs.server_cert}\nserver_key = {certs.server_key}\n"
+            f"tls_ca = {certs.ca}\n"
+            f"tls_cert = {certs.client_cert}\ntls_key = {certs.client_key}\n"
+            + api_tls_config(certs))
+
+
+@contextlib.contextmanager
+def embedded(root: Path, *, tls: bool, nodes: int = 1, gpus: str = "sim:1") -> Iterator[Path]:
+    """`m27 up` in `root/home` as a user runs it, on loopback, or with mutual TLS for NATS
+    and the API; `M27_HOME` and `M27_CONFIG` name it meanwhile (the CLI, clients and the
+    services read them). Yields the home."""
+    config = root / "m2config"
+    config.write_text(tls_config(make_certificates(root / "tls")) if tls else "")
+    home = root / "home"
+    saved = {name: os.environ.get(name) for name in ("M27_HOME", "M27_CONFIG")}
+    os.environ["M27_HOME"], os.environ["M27_CONFIG"] = str(home), str(config)
+    try:
+        system.up(home, nodes=nodes, gpus=gpus, config=load_config(config).config.nats)
+        try:
+            yield home
+        finally:
+            system.down(home)
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def nats_settings() -> NatsSection:
+    """The `[nats]` settings of the system `embedded` brought up (its TLS files, if any)."""
+    return load_config(Path(os.environ["M27_CONFIG"])).config.nats

@@ -39,10 +39,14 @@ LONG = "pipeline:\n  - {name: a, command: 'sleep 60'}\n"
 QUICK = "pipeline:\n  - {name: a, command: 'true'}\n"
 
 
-@pytest.fixture(scope="module")
-def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+@pytest.fixture(scope="module", params=["loopback", "tls"])
+def lab(tmp_path_factory: pytest.TempPathFactory,
+        request: pytest.FixtureRequest) -> Iterator[Cluster]:
+    """Every attack on loopback (local credentials) and again with mutual TLS on every
+    server: the tokens and roles are checked whatever carries the call."""
     system = Cluster(tmp_path_factory.mktemp("lab"),
-                     env={"M27_SCHEDULER_USER_LEVELS": "carol:pi"})
+                     env={"M27_SCHEDULER_USER_LEVELS": "carol:pi"},
+                     api_tls=request.param == "tls")
     system.start()
     yield system
     system.stop()
@@ -102,7 +106,7 @@ async def test_anonymous_calls_reach_no_service_but_health_answers(lab: Cluster)
     channels: list[grpc.aio.Channel] = []
 
     def plain(target: str) -> grpc.aio.Channel:
-        channels.append(grpc.aio.insecure_channel(target))
+        channels.append(lab.bare_channel(target))
         return channels[-1]
 
     for name, call in every_service_call(lab, plain):
@@ -139,7 +143,7 @@ async def test_wrong_tokens_are_refused_everywhere(lab: Cluster, forged: str) ->
         head, kid, _claims, mac = user.split(".")
         admin = lab.keys.mint(user="alice", role="admin", ttl_s=0).split(".")[2]
         token = f"{head}.{kid}.{admin}.{mac}"
-    access = ApiAccess(token=token)
+    access = lab.with_token(token)
     for name, call in every_service_call(lab, access.channel):
         code, details = await refused(call)
         assert code == Code.UNAUTHENTICATED, (forged, name, details)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import shutil
 import stat
 import subprocess
@@ -23,31 +22,24 @@ from nats.aio.client import Client as NatsClient
 from m27.client import Client
 from m27.common import events, subjects
 from m27.common.bus import Access, NatsBus, connect
-from m27.common.config import NatsSection
 from m27.common.errors import BusError, ConfigError
 from m27.common.principals import Principal, principal
 from m27.embedded import NatsServer, system
+from tests.support import embedded, nats_settings
 
 pytestmark = pytest.mark.integration
 
 LONG = "pipeline:\n  - name: long\n    type: gpu_light\n    command: sleep 300\n"
 
 
-@pytest.fixture(scope="module")
-def home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+@pytest.fixture(scope="module", params=["loopback", "tls"])
+def home(tmp_path_factory: pytest.TempPathFactory,
+         request: pytest.FixtureRequest) -> Iterator[Path]:
+    """The attacks are made on the embedded system as `m27 up` starts it, and again with
+    mutual TLS on: the defences do not depend on how the connections are carried."""
     root = tmp_path_factory.mktemp("secure")
-    config = root / "m2config"
-    config.write_text("")
-    saved = {name: os.environ.get(name) for name in ("M27_HOME", "M27_CONFIG")}
-    os.environ["M27_HOME"], os.environ["M27_CONFIG"] = str(root / "home"), str(config)
-    system.up(root / "home", nodes=2, gpus="sim:1")
-    yield root / "home"
-    system.down(root / "home")
-    for name, value in saved.items():
-        if value is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = value
+    with embedded(root, tls=request.param == "tls", nodes=2, gpus="sim:1") as home:
+        yield home
 
 
 def url(home: Path) -> str:
@@ -64,13 +56,14 @@ class Attacker:
         self.nc: NatsClient | None = None
 
     async def connect(self, home: Path, who: Principal) -> NatsClient:
-        access = system.access(home, who, NatsSection())
+        access = system.access(home, who, nats_settings())
 
         async def on_error(exc: Exception) -> None:
             self.refusals.append(str(exc).lower())
 
         self.nc = await nats.connect(url(home), nkeys_seed=access.seed_file,
-                                     inbox_prefix=access.inbox_prefix, error_cb=on_error,
+                                     inbox_prefix=access.inbox_prefix,
+                                     tls=access.tls_context(), error_cb=on_error,
                                      allow_reconnect=False)
         return self.nc
 
@@ -96,19 +89,22 @@ async def attacker() -> AsyncIterator[Attacker]:
 
 async def admin(home: Path) -> NatsClient:
     return await connect(url(home), name="test-admin",
-                         access=system.access(home, principal("admin"), NatsSection()))
+                         access=system.access(home, principal("admin"), nats_settings()))
 
 
 async def test_anonymous_clients_and_unknown_keys_are_refused(home: Path,
                                                               tmp_path: Path) -> None:
+    settings = nats_settings()  # with TLS on: a valid client certificate, and still no user
+    tls = {"tls_ca": settings.tls_ca, "tls_cert": settings.tls_cert,
+           "tls_key": settings.tls_key}
     with pytest.raises(BusError, match=r"refused .* \(anonymous\)"):
-        await connect(url(home), name="anonymous", timeout=5)
+        await connect(url(home), name="anonymous", timeout=5, access=Access(**tls))
     stranger = tmp_path / "stranger.nk"
     stranger.write_bytes(b"SUAMLK2ZNL35WSMW37E7UD4VZ7ELPKW7DHC3BWBSD2GCZ7IUQQXZIORRBU\n")
     stranger.chmod(0o600)
     with pytest.raises(BusError, match="refused"):
         await connect(url(home), name="stranger", timeout=5,
-                      access=Access(seed_file=str(stranger)))
+                      access=Access(seed_file=str(stranger), **tls))
 
 
 def test_seed_files_are_the_owners_alone(home: Path, tmp_path: Path) -> None:
@@ -169,7 +165,7 @@ async def test_no_service_may_delete_or_change_the_streams(home: Path) -> None:
     for who in [*services, principal("node-agent", "node-1")]:
         one = Attacker()
         nc = await one.connect(home, who)
-        js = nc.jetstream(timeout=1)
+        js = nc.jetstream(timeout=0.5)  # refused at once: no ack comes
         try:
             for attempt in (js.delete_stream(subjects.EVENTS_STREAM),
                             js.purge_stream(subjects.COMMANDS_STREAM),

@@ -1,12 +1,12 @@
 """Hostile input, each test written as the attack (issue 14, point 3): a real system on
-loopback, raw gRPC calls a client library would never send, and messages no service
-would publish."""
+loopback, and again with mutual TLS on its API, raw gRPC calls a client library would
+never send, and messages no service would publish."""
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -23,6 +23,15 @@ pytestmark = pytest.mark.integration
 
 if TYPE_CHECKING:
     Stub = pb_grpc.PipelineServiceAsyncStub
+
+
+@pytest.fixture(scope="module", params=["loopback", "tls"])
+def cluster(tmp_path_factory: pytest.TempPathFactory,
+            request: pytest.FixtureRequest) -> Iterator[Cluster]:
+    system = Cluster(tmp_path_factory.mktemp("hostile"), api_tls=request.param == "tls")
+    system.start()
+    yield system
+    system.stop()
 
 
 @pytest.fixture

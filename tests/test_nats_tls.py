@@ -1,5 +1,6 @@
-"""NATS and the API over TLS (issue 14, points 1 and 2): the embedded system with `[nats]`
-and `[api]` certificates set runs a pipeline — a step writing a checkpoint, a report —
+"""NATS and the API over TLS (issue 14, points 1, 2 and 4): the embedded system with
+`[nats]` and `[api]` certificates set runs a pipeline — a step given a secret, writing a
+checkpoint, a report —
 with every bus connection and every gRPC call on mutual TLS, and a client without TLS or
 without a certificate gets nothing from either."""
 
@@ -24,29 +25,15 @@ from m27.common.principals import principal
 from m27.embedded import system
 from m27.v1 import pipeline_pb2 as pb
 from m27.v1 import pipeline_pb2_grpc as pb_grpc
-from tests.support import finished_run, make_certificates
+from tests.support import embedded, finished_run
 
 pytestmark = pytest.mark.integration
 
 
 @pytest.fixture
-def secured(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
-    certs = make_certificates(tmp_path / "tls")
-    config = tmp_path / "m2config"
-    config.write_text("[nats]\n"
-                      f"server_cert = {certs.server_cert}\nserver_key = {certs.server_key}\n"
-                      f"tls_ca = {certs.ca}\n"
-                      f"tls_cert = {certs.client_cert}\ntls_key = {certs.client_key}\n"
-                      "[api]\n"
-                      f"tls_cert = {certs.server_cert}\ntls_key = {certs.server_key}\n"
-                      f"tls_client_ca = {certs.ca}\ntls_ca = {certs.ca}\n"
-                      f"client_cert = {certs.client_cert}\nclient_key = {certs.client_key}\n")
-    home = tmp_path / "home"
-    monkeypatch.setenv("M27_HOME", str(home))
-    monkeypatch.setenv("M27_CONFIG", str(config))  # the services read it too
-    system.up(home, nodes=1, gpus="sim:1", config=load_config(config).config.nats)
-    yield home
-    system.down(home)
+def secured(tmp_path: Path) -> Iterator[Path]:
+    with embedded(tmp_path, tls=True) as home:
+        yield home
 
 
 async def test_everything_runs_over_mutual_tls_and_nothing_else_gets_in(secured: Path) -> None:
@@ -56,18 +43,22 @@ async def test_everything_runs_over_mutual_tls_and_nothing_else_gets_in(secured:
     step.write_text("import os\nfrom m27.client.checkpoints import RemoteStore\n"
                     "store = RemoteStore(os.environ['M27_CHECKPOINT_STORE'])\n"
                     "store.put_bytes(store.task_id, b'state', attempt=store.attempt)\n"
-                    "print(len(store.list(store.task_id)))\n")
+                    "print(len(store.list(store.task_id)))\n"
+                    "print('token', os.environ['TOKEN'])\n")
     async with Client(state.api) as client:
         run_id = await client.submit(
             "pipeline:\n  - name: hello\n    type: gpu_light\n"
-            f"    command: {sys.executable} {step}\n", workdir=str(secured))
+            f"    command: {sys.executable} {step}\n"
+            "    secrets: {TOKEN: '{{token}}'}\n", workdir=str(secured),
+            secrets={"token": "Zq-over-tls"})
         run = await finished_run(client, run_id)
         assert run.state == "succeeded", run
         deadline = time.monotonic() + 30
         while not (await client.get_run(run_id)).report_path:  # report → orchestrator
             assert time.monotonic() < deadline, "no report over TLS"
             await asyncio.sleep(0.1)
-    assert (secured / "runs" / run_id / "logs" / "hello.1.out").read_text() == "1\n"
+    # the node got the secret from the orchestrator over TLS; its log has it masked
+    assert (secured / "runs" / run_id / "logs" / "hello.1.out").read_text() == "1\ntoken ***\n"
     api = load_config(Path(os.environ["M27_CONFIG"])).config.api
     token = (secured / "credentials" / "api" / "cli.token").read_text().strip()
     for caller in (ApiAccess(token=token),  # plaintext to a TLS server

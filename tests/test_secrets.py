@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import secrets
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -23,13 +22,12 @@ from nats.aio.client import Client as NatsClient
 from m27.client import Client, ClientError
 from m27.common import subjects
 from m27.common.bus import connect
-from m27.common.config import NatsSection
 from m27.common.events import SecretsReply, SecretsRequest
 from m27.common.model import RunRecord, SecretSet
 from m27.common.principals import Principal, principal
 from m27.embedded import system
 from m27.v1 import pipeline_pb2 as pb
-from tests.support import finished_run
+from tests.support import embedded, finished_run, nats_settings
 
 pytestmark = pytest.mark.integration
 
@@ -71,21 +69,14 @@ pipeline:
 """
 
 
-@pytest.fixture(scope="module")
-def home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    root = tmp_path_factory.mktemp("secrets")
-    config = root / "m2config"
-    config.write_text("")
-    saved = {name: os.environ.get(name) for name in ("M27_HOME", "M27_CONFIG")}
-    os.environ["M27_HOME"], os.environ["M27_CONFIG"] = str(root / "home"), str(config)
-    system.up(root / "home", nodes=2, gpus="sim:1")
-    yield root / "home"
-    system.down(root / "home")
-    for name, value in saved.items():
-        if value is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = value
+@pytest.fixture(scope="module", params=["loopback", "tls"])
+def home(tmp_path_factory: pytest.TempPathFactory,
+         request: pytest.FixtureRequest) -> Iterator[Path]:
+    """The attacks are made on the embedded system as `m27 up` starts it, and again with
+    mutual TLS on: the defences do not depend on how the connections are carried."""
+    root = tmp_path_factory.mktemp("secure")
+    with embedded(root, tls=request.param == "tls", nodes=2, gpus="sim:1") as home:
+        yield home
 
 
 def api(home: Path) -> str:
@@ -102,21 +93,21 @@ def url(home: Path) -> str:
 
 async def as_principal(home: Path, who: Principal,
                        refusals: list[str] | None = None) -> NatsClient:
-    access = system.access(home, who, NatsSection())
+    access = system.access(home, who, nats_settings())
 
     async def on_error(exc: Exception) -> None:
         if refusals is not None:
             refusals.append(str(exc).lower())
 
     return await nats.connect(url(home), nkeys_seed=access.seed_file,
-                              inbox_prefix=access.inbox_prefix, error_cb=on_error,
-                              allow_reconnect=False)
+                              inbox_prefix=access.inbox_prefix, tls=access.tls_context(),
+                              error_cb=on_error, allow_reconnect=False)
 
 
 @pytest.fixture
 async def admin(home: Path) -> AsyncIterator[NatsClient]:
     nc = await connect(url(home), name="test-admin",
-                       access=system.access(home, principal("admin"), NatsSection()))
+                       access=system.access(home, principal("admin"), nats_settings()))
     yield nc
     await nc.close()
 
