@@ -247,6 +247,32 @@ async def test_a_forged_exit_is_dead_lettered_and_the_run_keeps_running(
         await client.cancel(run_id)
 
 
+async def test_even_the_report_service_cannot_point_a_report_elsewhere(home: Path) -> None:
+    """The report principal may announce reports, but only a run's own file."""
+    state = system.read_state(home)
+    assert state is not None
+    async with Client(state.api) as client:
+        run_id = await client.submit(LONG, workdir=str(home))
+        one = Attacker()
+        nc = await one.connect(home, principal("report"))
+        checker = await admin(home)
+        try:
+            before = len(await dead_letters(checker))
+            forged = events.ReportReady(at=time.time(), run_id=run_id, path="/etc/passwd")
+            await nc.jetstream(timeout=5).publish(subjects.run_report(run_id),
+                                                  events.encode(forged))
+            deadline = time.monotonic() + 30
+            while len(letters := await dead_letters(checker)) <= before:
+                assert time.monotonic() < deadline, letters
+                await asyncio.sleep(0.2)
+            assert "not an absolute path to" in letters[-1].get("M27-Error", "")
+            assert (await client.get_run(run_id)).report_path == ""
+        finally:
+            await checker.close()
+            await nc.close()
+            await client.cancel(run_id)
+
+
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "m27.cli", *args], capture_output=True,
                           text=True, timeout=60)

@@ -59,6 +59,9 @@ class EventHandlers:
         event = bus_module.decode_or_poison(msg.data, events.decode_event)
         if not isinstance(event, events.ReportReady):
             return
+        problem = runs.report_path_problem(event)
+        if problem:
+            raise bus_module.PoisonMessage(f"refused: {problem}")
         try:
             await self.engine.change(event.run_id, lambda s: runs.record_report(s, event))
         except NotFoundError:

@@ -454,8 +454,19 @@ def retry_run(stored: StoredRun, now: float) -> StoredRun | str:
     return change.result()
 
 
+def report_path_problem(event: events.ReportReady) -> str:
+    """Why `event.path` cannot be the run's report ('' when it can): the report service
+    writes `<reports>/<run_id>.html`, an absolute path without `..`; anything else (a
+    report pointed at /etc/passwd) is refused."""
+    path = PurePosixPath(event.path)
+    if not path.is_absolute() or ".." in path.parts or path.name != f"{event.run_id}.html":
+        return (f"report_ready for {event.run_id} names {event.path[:200]!r}, not an "
+                f"absolute path to {event.run_id}.html")
+    return ""
+
+
 def record_report(stored: StoredRun, event: events.ReportReady) -> StoredRun | None:
-    if stored.run.report_path == event.path:
+    if stored.run.report_path == event.path or report_path_problem(event):
         return None
     return replace(stored, run=replace(stored.run, report_path=event.path))
 

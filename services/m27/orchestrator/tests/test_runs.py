@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import msgspec
+import pytest
 
 from m27.common import events, subjects
 from m27.common.ids import task_id
@@ -187,11 +188,20 @@ def test_placement_is_recorded_without_a_state_change() -> None:
 
 def test_report_path_is_recorded_once() -> None:
     stored, _ = flush(start())
-    ready = events.ReportReady(at=1.0, run_id=RUN, path="/r/x.html")
+    ready = events.ReportReady(at=1.0, run_id=RUN, path=f"/r/{RUN}.html")
     updated = runs.record_report(stored, ready)
     assert updated is not None
-    assert updated.run.report_path == "/r/x.html"
+    assert updated.run.report_path == f"/r/{RUN}.html"
     assert runs.record_report(updated, ready) is None
+
+
+@pytest.mark.parametrize("path", ["/etc/passwd", f"r/{RUN}.html", f"/r/../{RUN}.html",
+                                  "/r/r-20990101-000000-ffffff.html", ""])
+def test_a_report_pointed_anywhere_but_the_runs_own_file_is_refused(path: str) -> None:
+    stored, _ = flush(start())
+    ready = events.ReportReady(at=1.0, run_id=RUN, path=path)
+    assert runs.report_path_problem(ready)
+    assert runs.record_report(stored, ready) is None
 
 
 RETRYING = """\
