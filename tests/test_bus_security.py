@@ -25,7 +25,7 @@ from m27.common.bus import Access, NatsBus, connect
 from m27.common.errors import BusError, ConfigError
 from m27.common.principals import Principal, principal
 from m27.embedded import NatsServer, system
-from tests.support import embedded, nats_settings
+from tests.support import embedded, finished_run, nats_settings
 
 pytestmark = pytest.mark.integration
 
@@ -245,6 +245,29 @@ async def test_a_forged_exit_is_dead_lettered_and_the_run_keeps_running(
         assert (after.state, after.attempt, after.node_id) == ("running", running.attempt,
                                                                 victim)
         await client.cancel(run_id)
+
+
+async def test_a_nodes_own_user_may_publish_its_steps_metrics(home: Path) -> None:
+    """Metrics go out under the node's own permissions (`m27.metrics.*.*.node-<id>`)."""
+    state = system.read_state(home)
+    assert state is not None
+    text = ("pipeline:\n  - name: m\n    command: |\n"
+            "      echo '{\"step\": 7, \"loss\": 0.5}' >> \"$M27_METRICS_FILE\"\n")
+    async with Client(state.api) as client:
+        run_id = await client.submit(text, workdir=str(home))
+        run = await finished_run(client, run_id)
+    assert run.state == "succeeded", run
+    checker = await admin(home)
+    try:
+        js = checker.jetstream(timeout=5)
+        info = await js.stream_info(subjects.METRICS_STREAM)
+        found = [events.decode_metrics((await js.get_msg(subjects.METRICS_STREAM, seq)).data
+                                       or b"")
+                 for seq in range(info.state.first_seq, info.state.last_seq + 1)]
+    finally:
+        await checker.close()
+    mine = [b for b in found if b.run_id == run_id]
+    assert [(p.step, p.values) for b in mine for p in b.points] == [(7, {"loss": 0.5})]
 
 
 async def test_even_the_report_service_cannot_point_a_report_elsewhere(home: Path) -> None:

@@ -426,10 +426,36 @@ class SecretsReply(msgspec.Struct, frozen=True, kw_only=True):
     transient: bool = False  # the error may pass: ask again later
 
 
+# ---------------------------------------------------------------- training metrics
+
+
+class MetricPoint(msgspec.Struct, frozen=True, kw_only=True):
+    """One logged training step: its scalars (a value that is not finite is the string
+    "NaN", "Infinity" or "-Infinity", as JSON cannot spell it) and its wall time."""
+
+    step: int
+    at: float
+    values: dict[str, float | str]
+
+
+class MetricPoints(_Message, frozen=True, tag="metric_points"):
+    """Points a step's program logged (`m27.train.log` or `$M27_METRICS_FILE`), as its
+    node-agent read them, in file order. `offset` is where in the attempt's metrics file
+    the first of them starts (what makes a re-publish recognisable)."""
+
+    task_id: str
+    run_id: str
+    step: str
+    attempt: int
+    node_id: str
+    offset: int
+    points: tuple[MetricPoint, ...]
+
+
 SchedulerCommand = EnqueueTask | CancelTask
 NodeCommand = StartTask | StopTask | CheckpointTask | PauseTask | ResumeTask | StageTask
 Command = SchedulerCommand | NodeCommand
-Message = Event | Command
+Message = Event | Command | MetricPoints
 
 _encoder: Final = msgspec.json.Encoder()
 _event_decoder: Final = msgspec.json.Decoder(Event)
@@ -454,6 +480,13 @@ def decode_scheduler_command(data: bytes) -> SchedulerCommand:
 
 def decode_node_command(data: bytes) -> NodeCommand:
     return _node_command_decoder.decode(data)
+
+
+_metrics_decoder: Final = msgspec.json.Decoder(MetricPoints)
+
+
+def decode_metrics(data: bytes) -> MetricPoints:
+    return _metrics_decoder.decode(data)
 
 
 def decode_message(data: bytes) -> Message:

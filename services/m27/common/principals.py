@@ -187,7 +187,7 @@ def permissions(who: Principal) -> Permissions:
         publish = (
             *look,
             subjects.task_events("*", "*", who.name), subjects.node_events(node),
-            subjects.heartbeat(node),
+            subjects.heartbeat(node), subjects.metrics("*", "*", who.name),
             *kv_write(subjects.NODES_BUCKET, node), *kv_read(subjects.NODES_BUCKET),
             *kv_read(subjects.FENCES_BUCKET), subjects.SECRETS_REQUEST,
             *service_entry("node-agent", node),

@@ -45,6 +45,16 @@ def inbox_node(reply: str) -> str | None:
     return head[len(NODE_INBOX_PREFIX):] or None
 
 
+#: Training metrics of every step (`metrics`), in their own stream.
+METRICS_ALL: Final = f"{PREFIX}.metrics.>"
+
+
+def metrics(run_id: str, step: str, sender: str) -> str:
+    """A step's metric points, as `sender` (its node, `node_sender`) published them; each
+    node may publish only as itself, like task events."""
+    return f"{PREFIX}.metrics.{run_id}.{step}.{sender}"
+
+
 def run_events(run_id: str) -> str:
     """Everything about one run: its state, its steps, its report."""
     return f"{PREFIX}.events.run.{run_id}.>"
@@ -102,6 +112,7 @@ def node_commands(node_id: str) -> str:
 EVENTS_STREAM: Final = "M27_EVENTS"
 COMMANDS_STREAM: Final = "M27_COMMANDS"
 DEAD_STREAM: Final = "M27_DEAD"
+METRICS_STREAM: Final = "M27_METRICS"
 DEAD_ALL: Final = f"{PREFIX}.dead.>"
 
 
@@ -145,6 +156,14 @@ STREAMS: Final[tuple[StreamSpec, ...]] = (
         max_age_s=30 * DAY,
         description="Dead letters: messages a consumer rejected as malformed or failed on "
         "again and again, kept with the reason instead of being retried forever.",
+    ),
+    StreamSpec(
+        name=METRICS_STREAM,
+        subjects=(METRICS_ALL,),
+        retention="limits",
+        max_age_s=30 * DAY,
+        description="Training metrics: the points each step's program logged, as its "
+        "node-agent read them (metric_points, JSON).",
     ),
 )
 

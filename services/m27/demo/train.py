@@ -16,6 +16,7 @@ from typing import Any
 
 from rich.progress import track
 
+import m27.train
 from m27.demo._data import load
 
 try:
@@ -92,6 +93,7 @@ def main() -> None:
         history.append(record)
         print(f"epoch {epoch + 1}/{args.epochs}: loss {record['loss']:.4f} "
               f"accuracy {record['accuracy']:.3f}", flush=True)
+        m27.train.log(epoch + 1, loss=record["loss"], accuracy=record["accuracy"])
         save_checkpoint(checkpoint, {"model": net.state_dict(),
                                      "optimizer": optimizer.state_dict(),
                                      "epoch": epoch + 1, "history": history})

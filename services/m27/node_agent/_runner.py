@@ -30,6 +30,7 @@ from m27.common import subjects
 from m27.common.bus import Bus, PoisonMessage
 from m27.common.errors import Unavailable
 from m27.common.events import (
+    MetricPoints,
     SecretsReply,
     SecretsRequest,
     StartTask,
@@ -43,6 +44,8 @@ from m27.node_agent._file_sync import FileCheckpoints, FileSync
 from m27.node_agent._gpus import Holding
 from m27.node_agent._isolation import Cgroups, confine, remove_cgroup
 from m27.node_agent._ledger import Ledger, LedgerTask, reap_orphan
+from m27.node_agent._metric_files import POLL_S as METRICS_POLL_S
+from m27.node_agent._metric_files import READ_BYTES, MetricsFile
 from m27.node_agent._process import (
     missing_outputs,
     output_written,
@@ -116,6 +119,8 @@ class RunningTask:
     publish_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     watcher: asyncio.Task[None] | None = None
     escalations: list[asyncio.Task[None]] = field(default_factory=list)
+    metrics: MetricsFile | None = None
+    metrics_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     @property
     def key(self) -> TaskKey:
@@ -270,6 +275,7 @@ class TaskRunner:
             if paths.default_workdir:
                 paths.workdir.mkdir(parents=True, exist_ok=True)
             paths.phase_file.parent.mkdir(parents=True, exist_ok=True)
+            paths.metrics_file.parent.mkdir(parents=True, exist_ok=True)
             paths.checkpoint_dir.mkdir(parents=True, exist_ok=True)
             store = await self._files.store_address()
             if store and cmd.checkpoint_interval_s:  # only such steps' files are uploaded
@@ -290,6 +296,8 @@ class TaskRunner:
         self._ledger.remember(cmd.task_id, cmd.attempt)
         self._save_ledger()
         task.watcher = asyncio.create_task(self._watch(task), name=f"watch {cmd.task_id}")
+        task.metrics = MetricsFile(paths.metrics_file)
+        task.escalations.append(asyncio.create_task(self._tail_metrics(task)))
         if cmd.checkpoint_interval_s:
             task.escalations.append(asyncio.create_task(
                 self._checkpoint_every(task, cmd.checkpoint_interval_s)))
@@ -372,6 +380,8 @@ class TaskRunner:
                         "still holds its output; the tails may miss the last lines")
         for escalation in task.escalations:  # the timeout too: it must not fire any more
             escalation.cancel()
+        # the rest of its metrics before its exit, so a finished step's series is whole
+        await self._retrying("metrics", lambda: self._publish_metrics(task, reads=16))
         if task.stop is None and not self._leased():
             # Killed by the node's guard while the lease had lapsed (the agent was frozen).
             task.stop = StopRequest("fenced", "the node's lease lapsed: fenced by its guard")
@@ -434,6 +444,45 @@ class TaskRunner:
                             retry_in_s=delay)
             await asyncio.sleep(delay)
             delay = min(delay * 2, RETRY_MAX_DELAY_S)
+
+    # ------------------------------------------------------------ metrics
+
+    async def _tail_metrics(self, task: RunningTask) -> None:
+        """What the step appends to its metrics file, onto the bus every POLL_S."""
+        while task.alive:
+            await asyncio.sleep(METRICS_POLL_S)
+            try:
+                await self._publish_metrics(task)
+            except (TimeoutError, nats.errors.Error, OSError) as exc:  # read again next time
+                log.warning("metrics.publish_failed", error=str(exc) or type(exc).__name__)
+
+    async def _publish_metrics(self, task: RunningTask, reads: int = 4) -> None:
+        """At most `reads` × READ_BYTES of what is new in the file: a step that writes
+        faster than that per poll (16 MiB per 0.5 s) falls behind, and at its end what
+        lies beyond 64 MiB more is left unpublished (said in the agent's log)."""
+        tail = task.metrics
+        if tail is None:
+            return
+        cmd = task.cmd
+        async with task.metrics_lock:
+            for _ in range(reads):
+                had_problem, start = bool(tail.first_problem), tail.offset
+                chunks, end = await asyncio.to_thread(tail.read, self._clock(), READ_BYTES)
+                if tail.first_problem and not had_problem:
+                    log.warning("metrics.lines_skipped", file=str(tail.path),
+                                first=tail.first_problem)
+                for chunk in chunks:
+                    await self._bus.publish(
+                        subjects.metrics(cmd.run_id, cmd.step, self._sender), MetricPoints(
+                            at=self._clock(), task_id=cmd.task_id, run_id=cmd.run_id,
+                            step=cmd.step, attempt=cmd.attempt, node_id=self._node.node_id,
+                            offset=chunk.offset, points=tuple(chunk.points)),
+                        msg_id=f"{cmd.task_id}:{cmd.attempt}:metrics:{chunk.offset}")
+                tail.offset = end
+                if end - start < READ_BYTES // 2:
+                    return  # caught up; a read near the limit means more may be waiting
+            if not task.alive:
+                log.warning("metrics.left_unread", file=str(tail.path), offset=tail.offset)
 
     # ------------------------------------------------------------ StopTask and shutdown
 

@@ -45,6 +45,7 @@ class TaskPaths:
     stderr: Path
     checkpoint_dir: Path
     phase_file: Path  # the training library writes "io" / "compute" here
+    metrics_file: Path  # `m27.train.log` (or the program) writes metric lines here
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,7 +65,8 @@ class NodeContext:
 
 def task_paths(home: Path, cmd: StartTask) -> TaskPaths:
     """Logs `<run>/logs/<step>.<attempt>.out|err`, checkpoints `<run>/checkpoints/<step>`,
-    phase reports `<run>/phases/<step>.<attempt>`.
+    phase reports `<run>/phases/<step>.<attempt>`, metrics
+    `<run>/metrics/<step>.<attempt>.jsonl`.
 
     A relative `workdir` is taken relative to the run's scratch dir `<run>/work`.
     """
@@ -82,6 +84,7 @@ def task_paths(home: Path, cmd: StartTask) -> TaskPaths:
         stderr=logs / f"{cmd.step}.{cmd.attempt}.err",
         checkpoint_dir=run / "checkpoints" / cmd.step,
         phase_file=run / "phases" / f"{cmd.step}.{cmd.attempt}",
+        metrics_file=run / "metrics" / f"{cmd.step}.{cmd.attempt}.jsonl",
     )
 
 
@@ -179,6 +182,7 @@ def task_env(base: Mapping[str, str], cmd: StartTask, node: NodeContext,
         if node.mps:
             env.update(mps_env(share, memory_mb, len(cmd.gpu_ids)))
     env["M27_PHASE_FILE"] = str(paths.phase_file)
+    env["M27_METRICS_FILE"] = str(paths.metrics_file)
     env["M27_CHECKPOINT_SIGNAL"] = cmd.checkpoint_signal
     if cmd.checkpoint_interval_s is not None:
         env["M27_CHECKPOINT_INTERVAL"] = f"{cmd.checkpoint_interval_s:g}"

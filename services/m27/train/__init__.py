@@ -5,6 +5,7 @@
     m27.train.report_phase("io")        # about to wait on storage: lend the GPU out
     ...
     m27.train.report_phase("compute")
+    m27.train.log(step, loss=0.41, acc=0.83)   # metrics, non-blocking (docs/training.md)
 
     ckpt = m27.train.Checkpointer(model=model, optimizer=opt, every_steps=500)
     cursor = ckpt.resume() or m27.train.Cursor()   # exact resume: see docs/training.md
@@ -38,6 +39,9 @@ __all__ = [
     "TrainError",
     "apply_gpu_limits",
     "epoch_order",
+    "flush_metrics",
+    "log",
+    "log_to",
     "report_phase",
 ]
 
@@ -46,6 +50,28 @@ _LAZY = {
     "Cursor": "_cursor", "ResumableSampler": "_cursor", "epoch_order": "_cursor",
     "CheckpointError": "_errors", "RestoreError": "_errors", "TrainError": "_errors",
 }
+
+
+def log(step: int, **scalars: float) -> None:
+    """Record training step `step`'s scalars: `m27.train.log(120, loss=0.41, acc=0.83)`.
+    Non-blocking; written to `$M27_METRICS_FILE` (docs/training.md, "Metrics")."""
+    from m27.train import _metrics
+
+    _metrics.log(step, **scalars)
+
+
+def log_to(path: str | os.PathLike[str]) -> None:
+    """Write metrics to `path`: outside m27, where nothing is written otherwise."""
+    from m27.train import _metrics
+
+    _metrics.log_to(path)
+
+
+def flush_metrics(timeout: float = 5.0) -> bool:
+    """Write every point logged so far now; False if not written within `timeout`."""
+    from m27.train import _metrics
+
+    return _metrics.flush(timeout)
 
 
 def __getattr__(name: str) -> Any:

@@ -66,6 +66,7 @@ def test_each_record_and_command_has_exactly_its_one_writer() -> None:
         "m27.heartbeat.gpu-1": {"node-gpu-1"},
         "$KV.m27_secrets.r-1.0.abc": {"orchestrator"},
         subjects.SECRETS_REQUEST: {"node-gpu-1"},
+        subjects.metrics("r-1", "train", "node-gpu-1"): {"node-gpu-1"},
         subjects.task_events("r-1", "train", "node-gpu-1"): {"node-gpu-1"},
         subjects.task_events("r-1", "train", "scheduler"): {"scheduler"},
         subjects.task_events("r-1", "train", "checkpoint-store"): {"checkpoint-store"},
@@ -132,6 +133,7 @@ def test_a_node_can_speak_only_for_itself(mine: str, other: str) -> None:
               f"$KV.{subjects.NODES_BUCKET}.{other}",
               subjects.task_events("r-1", "train", subjects.node_sender(other)),
               subjects.task_events("r-1", "train", subjects.SCHEDULER_SENDER),
+              subjects.metrics("r-1", "train", subjects.node_sender(other)),
               f"$KV.{subjects.SERVICES_BUCKET}.node-agent.{other}",
               f"$JS.API.CONSUMER.CREATE.M27_COMMANDS.node-{mine}.m27.cmd.node.{other}",
               f"$JS.API.CONSUMER.MSG.NEXT.M27_COMMANDS.node-{other}"]
@@ -139,6 +141,7 @@ def test_a_node_can_speak_only_for_itself(mine: str, other: str) -> None:
     own = [subjects.heartbeat(mine), subjects.node_events(mine),
            f"$KV.{subjects.NODES_BUCKET}.{mine}",
            subjects.task_events("r-1", "train", subjects.node_sender(mine)),
+           subjects.metrics("r-1", "train", subjects.node_sender(mine)),
            f"$JS.API.CONSUMER.MSG.NEXT.M27_COMMANDS.node-{mine}"]
     assert all(may_publish(me, s) for s in own)
 

@@ -1,0 +1,87 @@
+"""Training metrics from a real step to the bus (issue 15, point 1): `m27.train.log` and
+lines a shell appends to `$M27_METRICS_FILE` both become `metric_points` on
+`m27.metrics.<run>.<step>.node-<node>`, every point once and in order, with the attempt;
+a retried attempt continues the same series."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+from nats.js.errors import NotFoundError
+
+from m27.common import events, subjects
+from m27.common.bus import NatsBus
+from m27.common.metric_points import series
+from tests.support import Cluster, finished_run
+
+pytestmark = pytest.mark.integration
+
+SCRIPT = """\
+import os, sys
+import m27.train
+attempt = int(os.environ["M27_ATTEMPT"])
+first = 0 if attempt == 1 else 3000  # the second attempt "resumed" at step 3000
+for step in range(first, 5000 if attempt == 2 else 4000):
+    m27.train.log(step, loss=1.0 / (step + 1), attempt=attempt)
+m27.train.flush_metrics()
+sys.exit(1 if attempt == 1 else 0)
+"""
+
+
+async def stream_of(bus: NatsBus, run_id: str) -> list[tuple[str, events.MetricPoints]]:
+    info = await bus.js.stream_info(subjects.METRICS_STREAM)
+    found = []
+    for seq in range(info.state.first_seq, info.state.last_seq + 1):
+        try:
+            msg = await bus.js.get_msg(subjects.METRICS_STREAM, seq)
+        except NotFoundError:
+            continue
+        batch = events.decode_metrics(msg.data or b"")
+        if batch.run_id == run_id:
+            found.append((msg.subject or "", batch))
+    return found
+
+
+async def test_logged_points_reach_the_bus_once_each_and_attempts_make_one_series(
+        cluster: Cluster, tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    pipeline = (
+        "pipeline:\n"
+        "  - name: train\n"
+        f"    command: {sys.executable} {script}\n"
+        "    retries: {failure: 1, backoff: {initial: 1s}}\n"
+        "  - name: shell\n"
+        "    command: |\n"
+        "      echo '{\"step\": 1, \"acc\": 0.5}' >> \"$M27_METRICS_FILE\"\n"
+        "      echo 'not a metric' >> \"$M27_METRICS_FILE\"\n"
+        "      printf '{\"step\": 2, \"acc\": NaN}\\n' >> \"$M27_METRICS_FILE\"\n")
+    async with cluster.client() as client:
+        run_id = await client.submit(pipeline, workdir=str(tmp_path))
+        run = await finished_run(client, run_id, timeout=120)
+    assert run.state == "succeeded", run
+    bus = await NatsBus.open(cluster.nats_url, name="test-metrics")
+    try:
+        found = await stream_of(bus, run_id)
+    finally:
+        await bus.close()
+    train = run.step("train")
+    assert train is not None
+    assert train.node_id
+    node = train.node_id
+    assert {s for s, _ in found} == {subjects.metrics(run_id, name, f"node-{node}")
+                                     for name in ("train", "shell")}
+    by_attempt: dict[int, list[events.MetricPoint]] = {}
+    for _, batch in found:
+        if batch.step == "train":
+            by_attempt.setdefault(batch.attempt, []).extend(batch.points)
+    assert sorted(by_attempt) == [1, 2]
+    assert [p.step for p in by_attempt[1]] == list(range(4000))  # all, once, in order
+    assert [p.step for p in by_attempt[2]] == list(range(3000, 5000))
+    merged = series(by_attempt)
+    assert [p.step for p in merged] == list(range(5000))
+    assert {p.values["attempt"] for p in merged[3000:]} == {2.0}
+    shell = [p for _, b in found if b.step == "shell" for p in b.points]
+    assert [(p.step, p.values) for p in shell] == [(1, {"acc": 0.5}), (2, {"acc": "NaN"})]
