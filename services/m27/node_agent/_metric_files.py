@@ -13,6 +13,7 @@ agent logs the first problem of each file, never the line itself.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
@@ -50,6 +51,8 @@ class MetricsFile:
         missing file is no points (the program logs nothing)."""
         try:
             with self.path.open("rb") as file:
+                if os.fstat(file.fileno()).st_size < self.offset:
+                    self.offset = self.checked = 0  # the program truncated it: start over
                 file.seek(self.offset)
                 data = file.read(limit)
         except FileNotFoundError:

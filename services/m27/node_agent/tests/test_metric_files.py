@@ -49,3 +49,13 @@ def test_a_line_that_never_ends_is_skipped_not_waited_for(tmp_path: Path) -> Non
     tail = MetricsFile(path)
     chunks, end = tail.read(1.0)
     assert (chunks, end, tail.skipped) == ([], 200_000, 1)
+
+
+def test_a_file_the_program_truncates_is_read_again_from_its_start(tmp_path: Path) -> None:
+    path = tmp_path / "m.jsonl"
+    path.write_bytes(b'{"step": 1, "loss": 2}\n{"step": 2, "loss": 2}\n')
+    tail = MetricsFile(path)
+    tail.offset = tail.read(1.0)[1]
+    path.write_bytes(b'{"step": 3, "loss": 1}\n')  # opened with "w" again
+    chunks, _ = tail.read(1.0)
+    assert [p.step for c in chunks for p in c.points] == [3]
