@@ -25,6 +25,8 @@ from m27.common.bus import Access, NatsBus, connect
 from m27.common.errors import BusError, ConfigError
 from m27.common.principals import Principal, principal
 from m27.embedded import NatsServer, system
+from m27.report.service import history_path
+from m27.report.store import History
 from tests.support import embedded, finished_run, nats_settings
 
 pytestmark = pytest.mark.integration
@@ -268,6 +270,14 @@ async def test_a_nodes_own_user_may_publish_its_steps_metrics(home: Path) -> Non
         await checker.close()
     mine = [b for b in found if b.run_id == run_id]
     assert [(p.step, p.values) for b in mine for p in b.points] == [(7, {"loss": 0.5})]
+    history = History(history_path(home))  # and the report, as its own user, stored them
+    try:
+        deadline = time.monotonic() + 30
+        while not history.metric_series(run_id, "m", "loss"):
+            assert time.monotonic() < deadline, "the report stored no metrics"
+            await asyncio.sleep(0.1)
+    finally:
+        history.close()
 
 
 async def test_even_the_report_service_cannot_point_a_report_elsewhere(home: Path) -> None:

@@ -1,11 +1,14 @@
 """Training metrics from a real step to the bus (issue 15, point 1): `m27.train.log` and
 lines a shell appends to `$M27_METRICS_FILE` both become `metric_points` on
 `m27.metrics.<run>.<step>.node-<node>`, every point once and in order, with the attempt;
-a retried attempt continues the same series."""
+a retried attempt continues the same series, which the report service's history store
+holds the same way."""
 
 from __future__ import annotations
 
+import asyncio
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -14,6 +17,8 @@ from nats.js.errors import NotFoundError
 from m27.common import events, subjects
 from m27.common.bus import NatsBus
 from m27.common.metric_points import series
+from m27.report.service import history_path
+from m27.report.store import History
 from tests.support import Cluster, finished_run
 
 pytestmark = pytest.mark.integration
@@ -85,3 +90,16 @@ async def test_logged_points_reach_the_bus_once_each_and_attempts_make_one_serie
     assert {p.values["attempt"] for p in merged[3000:]} == {2.0}
     shell = [p for _, b in found if b.step == "shell" for p in b.points]
     assert [(p.step, p.values) for p in shell] == [(1, {"acc": 0.5}), (2, {"acc": "NaN"})]
+    # the report service materialises the same series into its history store
+    history = History(history_path(cluster.home))
+    try:
+        deadline = time.monotonic() + 60
+        while len(stored := history.metric_series(run_id, "train", "loss")) < 5000:
+            assert time.monotonic() < deadline, len(stored)
+            await asyncio.sleep(0.2)
+        assert [p.step for p in stored] == list(range(5000))
+        assert [p.step for p in history.metric_series(run_id, "train", "attempt")
+                if p.values["attempt"] == 2.0] == list(range(3000, 5000))
+        assert history.metric_names(run_id, "shell") == ["acc"]
+    finally:
+        history.close()

@@ -208,6 +208,8 @@ def permissions(who: Principal) -> Permissions:
             subjects.RUN_REPORT_ALL,
             *service_entry("report"),
             *durable_consumer(event_stream, subjects.REPORT_RUN_STATE, subjects.RUN_STATE_ALL),
+            *durable_consumer(subjects.METRICS_STREAM, subjects.REPORT_METRICS,
+                              subjects.METRICS_ALL),
         )
     return Permissions(publish=publish, subscribe=subscribe)
 
@@ -241,6 +243,18 @@ def sender_problem(subject: str, event: events.Event, fence: Fence | None) -> st
             and fence.attempt == getattr(event, "attempt", None) and fence.node_id != node_id):
         return (f"{events.tag_of(event)} of {task_id} attempt {fence.attempt} from node "
                 f"{node_id!r}, but that attempt runs on {fence.node_id!r}")
+    return None
+
+
+def metrics_problem(subject: str, batch: events.MetricPoints) -> str | None:
+    """Why metric points on `subject` cannot be what they claim, or None when they can:
+    they must name the run, step and task of their subject, and come from the node they
+    name (the subject's last token, which only that node may publish). A node could still
+    publish points for a step it does not run (the report does not read fences yet)."""
+    expected = subjects.metrics(batch.run_id, batch.step, subjects.node_sender(batch.node_id))
+    if subject != expected or batch.task_id != f"{batch.run_id}/{batch.step}":
+        return (f"metric_points of {batch.task_id[:200]!r} from node {batch.node_id[:100]!r} "
+                f"sent on {subject[:300]}")
     return None
 
 

@@ -174,6 +174,7 @@ ORCHESTRATOR_REPORTS: Final = "orchestrator-reports"
 SCHEDULER_COMMAND_CONSUMER: Final = "scheduler-commands"
 SCHEDULER_TASK_EVENTS: Final = "scheduler-task-events"
 REPORT_RUN_STATE: Final = "report-run-state"
+REPORT_METRICS: Final = "report-metrics"
 
 
 def node_command_consumer(node_id: str) -> str:

@@ -2,6 +2,7 @@
 
     receive RunStateChanged → decide → GetRun (orchestrator) → render → write atomically
     → publish ReportReady → ack
+    receive MetricPoints → check its sender → the history store (`store.History`) → ack
 
 The event is acked only once the file is durable and the announcement stored. An API that
 cannot be reached (or answers with an error) makes the handler raise, so the event is
@@ -11,6 +12,7 @@ redelivered; a run the API does not know is logged and acked, never retried fore
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -25,10 +27,15 @@ from m27.common.config import Config
 from m27.common.errors import M27Error, NotFoundError, Unavailable
 from m27.common.logging import bound_contextvars, get_logger
 from m27.common.model import TERMINAL_RUN_STATES, RunRecord, ServiceInfo
+from m27.common.principals import metrics_problem
 from m27.common.service import ServiceRuntime
 from m27.report.decide import ORCHESTRATOR, decide, pick_orchestrator, report_file
 from m27.report.files import write_atomic
 from m27.report.render import render_run_report
+from m27.report.store import History
+
+#: How long the history store keeps metrics and GPU samples (the streams keep 30 days).
+HISTORY_KEEP_S = 30 * 86400.0
 
 log = get_logger()
 
@@ -133,10 +140,42 @@ class Reporter:
         return found
 
 
+class MetricsIn:
+    """Materialises the metrics stream into the history store, one batch at a time (a
+    batch is written before it is acked; a redelivered one changes nothing)."""
+
+    def __init__(self, history: History) -> None:
+        self.history = history
+
+    async def handle(self, msg: Msg) -> None:
+        batch = bus.decode_or_poison(msg.data, events.decode_metrics)
+        problem = metrics_problem(msg.subject, batch)
+        if problem:
+            raise bus.PoisonMessage(f"refused: {problem}")
+        await asyncio.to_thread(self.history.add_metrics, batch)
+
+
+def history_path(home: Path) -> Path:
+    """The history store: `$M27_HOME/history/history.sqlite` (rebuilt from the streams if
+    deleted)."""
+    return home / "history" / "history.sqlite"
+
+
+async def prune_every(history: History, stop: asyncio.Event, keep_s: float = HISTORY_KEEP_S,
+                      every_s: float = 3600.0) -> None:
+    """Retention: forget what is older than `keep_s`, now and every `every_s`."""
+    while not stop.is_set():
+        await asyncio.to_thread(history.prune, time.time() - keep_s)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), every_s)
+
+
 async def serve(rt: ServiceRuntime) -> None:
     """Run the report service until `rt.stop` is set (a consumer that dies sets it too)."""
     out_dir = report_dir(rt.config, rt.home)
     await asyncio.to_thread(_ensure_dir, out_dir)
+    await asyncio.to_thread(_ensure_dir, history_path(rt.home).parent)
+    history = await asyncio.to_thread(History, history_path(rt.home))
     await rt.connect()
     await rt.serve_grpc()
     reporter = Reporter(rt.nats, out_dir, api=rt.args.api or "",
@@ -144,6 +183,11 @@ async def serve(rt: ServiceRuntime) -> None:
     rt.spawn(bus.consume(rt.nats.js, stream=subjects.EVENTS_STREAM,
                          durable=subjects.REPORT_RUN_STATE, filter_subject=subjects.RUN_STATE_ALL,
                          handle=reporter.handle, stop=rt.stop), "run-state")
+    rt.spawn(bus.consume(rt.nats.js, stream=subjects.METRICS_STREAM,
+                         durable=subjects.REPORT_METRICS, filter_subject=subjects.METRICS_ALL,
+                         handle=MetricsIn(history).handle, stop=rt.stop, batch=64),
+             "metrics")
+    rt.spawn(prune_every(history, rt.stop), "history-retention")
     await rt.ready()
     log.info("report.watching", dir=str(out_dir), api=rt.args.api or "discovered")
     await rt.stop.wait()

@@ -3,6 +3,7 @@ publish, and which task events a consumer takes as sent by whom they claim."""
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -13,6 +14,7 @@ from m27.common.model import Fence
 from m27.common.principals import (
     ROLES,
     Principal,
+    metrics_problem,
     permissions,
     principal,
     sender_problem,
@@ -184,3 +186,15 @@ def test_a_node_report_must_come_from_the_node_the_attempt_runs_on() -> None:
                                            checkpoint_id="c")
     assert sender_problem(on("r-1", "train", "checkpoint-store"), committed, None) is None
     assert sender_problem(on("r-1", "train", "node-gpu-1"), committed, None)
+
+
+def test_metric_points_must_come_from_the_node_they_name() -> None:
+    batch = events.MetricPoints(at=0.0, task_id="r-1/train", run_id="r-1", step="train",
+                                attempt=1, node_id="gpu-1", offset=0, points=())
+    assert metrics_problem(subjects.metrics("r-1", "train", "node-gpu-1"), batch) is None
+    for subject in (subjects.metrics("r-1", "train", "node-gpu-2"),  # another node's name
+                    subjects.metrics("r-2", "train", "node-gpu-1"),  # another run
+                    "m27.metrics.r-1.train"):
+        assert metrics_problem(subject, batch)
+    wrong_task = msgspec.structs.replace(batch, task_id="r-1/other")
+    assert metrics_problem(subjects.metrics("r-1", "train", "node-gpu-1"), wrong_task)

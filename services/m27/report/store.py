@@ -1,0 +1,223 @@
+"""The report service's embedded history: training metrics and per-GPU samples in SQLite,
+materialised from the streams (M27_METRICS, and the GPU samples of every heartbeat), which
+stay the source of truth: the file can be deleted and rebuilt by reading them again.
+
+Why SQLite (docs/architecture.md, "History"): it ships with Python (no new dependency,
+nothing to run), one file under `$M27_HOME`, WAL lets the dashboard read while the consumer
+writes, and every query here is a range scan on a primary key. The one query that would
+be slow on raw rows, a day of 5 s samples of a whole cluster (17 million rows for 1,000
+GPUs), reads rollups kept at insert time instead: per GPU and minute, and per GPU and ten
+minutes (count, sums and maxima), so any span is answered from at most a few hundred
+thousand rows, then averaged into at most `max_points` buckets per GPU.
+
+Writes are idempotent (a redelivered message changes nothing): a metric point is keyed by
+run, step, attempt, training step and name; a GPU sample by node, GPU and time, and a
+rollup only counts a sample its raw table did not have yet.
+"""
+
+from __future__ import annotations
+
+import math
+import sqlite3
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Final
+
+from m27.common.events import MetricPoint, MetricPoints
+from m27.common.model import GpuSample
+
+#: Rollup tables and their bucket widths (seconds), finest first.
+ROLLUPS: Final = (("gpu_1m", 60), ("gpu_10m", 600))
+RAW_INTERVAL_S: Final = 5.0
+NOT_FINITE: Final = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
+
+_SCHEMA: Final = """
+CREATE TABLE IF NOT EXISTS metrics (
+    run_id TEXT NOT NULL, step TEXT NOT NULL, attempt INTEGER NOT NULL,
+    tstep INTEGER NOT NULL, name TEXT NOT NULL, at REAL NOT NULL, value REAL,
+    PRIMARY KEY (run_id, step, name, attempt, tstep)) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS gpu (
+    node_id TEXT NOT NULL, gpu INTEGER NOT NULL, at REAL NOT NULL,
+    util REAL NOT NULL, mem_used INTEGER NOT NULL, mem_total INTEGER NOT NULL,
+    temp REAL NOT NULL, power REAL, throttle TEXT NOT NULL,
+    PRIMARY KEY (node_id, gpu, at)) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS gpu_at ON gpu (at);
+"""
+_ROLLUP_SCHEMA: Final = """
+CREATE TABLE IF NOT EXISTS {table} (
+    bucket INTEGER NOT NULL, node_id TEXT NOT NULL, gpu INTEGER NOT NULL,
+    n INTEGER NOT NULL, util_sum REAL NOT NULL, mem_max INTEGER NOT NULL,
+    temp_max REAL NOT NULL, power_sum REAL NOT NULL, power_n INTEGER NOT NULL,
+    PRIMARY KEY (bucket, node_id, gpu)) WITHOUT ROWID;
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class GpuPoint:
+    """A GPU over one display bucket: mean utilisation and power, highest memory and
+    temperature (what a chart of the last hours shows)."""
+
+    at: float  # the bucket's start
+    utilization_pct: float
+    memory_used_mb: int
+    temperature_c: float
+    power_w: float | None
+
+
+def _value(raw: float | str) -> float | None:
+    """A metric value as stored: NaN as NULL (SQLite has no NaN), infinities as they are."""
+    number = NOT_FINITE[raw] if isinstance(raw, str) else float(raw)
+    return None if math.isnan(number) else number
+
+
+class History:
+    def __init__(self, path: Path | str) -> None:
+        self.db = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False)
+        self.db.execute("PRAGMA journal_mode=WAL")
+        self.db.execute("PRAGMA synchronous=NORMAL")  # the streams are what is durable
+        self.db.executescript(_SCHEMA + "".join(_ROLLUP_SCHEMA.format(table=t)
+                                                for t, _ in ROLLUPS))
+
+    def close(self) -> None:
+        self.db.close()
+
+    # ------------------------------------------------------------ in
+
+    def add_metrics(self, batch: MetricPoints) -> None:
+        rows = [(batch.run_id, batch.step, batch.attempt, p.step, name, p.at, _value(v))
+                for p in batch.points for name, v in p.values.items()]
+        with self._transaction():
+            self.db.executemany("INSERT OR REPLACE INTO metrics VALUES (?, ?, ?, ?, ?, ?, ?)",
+                                rows)
+
+    def add_gpu_samples(self, node_id: str, at: float, samples: Iterable[GpuSample]) -> None:
+        """One heartbeat's readings of a node's GPUs, taken at `at`."""
+        self.add_heartbeats([(node_id, at, samples)])
+
+    def add_heartbeats(self, beats: Iterable[tuple[str, float, Iterable[GpuSample]]]) -> None:
+        """Several heartbeats' readings (node, time, samples) in one transaction."""
+        rows = [(node_id, s.index, at, s.utilization_pct, s.memory_used_mb,
+                 s.memory_total_mb, s.temperature_c, s.power_w, ",".join(s.throttle))
+                for node_id, at, samples in beats for s in samples]
+        with self._transaction():
+            fresh = []
+            for row in rows:
+                cursor = self.db.execute(
+                    "INSERT OR IGNORE INTO gpu VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)", row)
+                if cursor.rowcount:
+                    fresh.append(row)
+            for table, width in ROLLUPS:
+                self.db.executemany(
+                    f"INSERT INTO {table} VALUES (?, ?, ?, 1, ?, ?, ?, ?, ?) "  # noqa: S608
+                    "ON CONFLICT (bucket, node_id, gpu) DO UPDATE SET n = n + 1, "
+                    "util_sum = util_sum + excluded.util_sum, "
+                    "mem_max = max(mem_max, excluded.mem_max), "
+                    "temp_max = max(temp_max, excluded.temp_max), "
+                    "power_sum = power_sum + excluded.power_sum, "
+                    "power_n = power_n + excluded.power_n",
+                    [(int(r[2] // width), r[0], r[1], r[3], r[4], r[6], r[7] or 0.0,
+                      int(r[7] is not None)) for r in fresh])
+
+    def prune(self, before: float) -> None:
+        """Forget what is older than `before` (retention; the streams keep their own)."""
+        with self._transaction():
+            self.db.execute("DELETE FROM gpu WHERE at < ?", (before,))
+            self.db.execute("DELETE FROM metrics WHERE at < ?", (before,))
+            for table, width in ROLLUPS:
+                self.db.execute(f"DELETE FROM {table} WHERE bucket < ?",  # noqa: S608
+                                (int(before // width),))
+
+    # ------------------------------------------------------------ out
+
+    def metric_names(self, run_id: str, step: str) -> list[str]:
+        return [r[0] for r in self.db.execute(
+            "SELECT DISTINCT name FROM metrics WHERE run_id = ? AND step = ? ORDER BY name",
+            (run_id, step))]
+
+    def metric_series(self, run_id: str, step: str, name: str) -> list[MetricPoint]:
+        """One metric of one step across its attempts, each training step once: an
+        attempt's points replace earlier attempts' from its first logged step on
+        (`m27.common.metric_points.series`, here in SQL)."""
+        rows = self.db.execute(
+            """
+            WITH starts AS (
+                SELECT attempt, min(tstep) AS first FROM metrics
+                WHERE run_id = ?1 AND step = ?2 GROUP BY attempt)
+            SELECT m.tstep, m.at, m.value FROM metrics m
+            WHERE m.run_id = ?1 AND m.step = ?2 AND m.name = ?3
+              AND NOT EXISTS (SELECT 1 FROM starts s
+                              WHERE s.attempt > m.attempt AND s.first <= m.tstep)
+            ORDER BY m.tstep
+            """, (run_id, step, name))
+        return [MetricPoint(step=tstep, at=at, values={name: "NaN" if v is None else v})
+                for tstep, at, v in rows]
+
+    def gpu_history(self, since: float, until: float, max_points: int = 120
+                    ) -> dict[tuple[str, int], list[GpuPoint]]:
+        """Every GPU from `since` to `until`, at most about `max_points` buckets each
+        (from a rollup: whole rollup buckets, `since` rounded down to one, and as few as
+        half as many), from the coarsest table that gives at least half that many (raw
+        samples for short spans); the buckets are folded in SQL, so what comes back is no
+        bigger than what is shown."""
+        span = max(until - since, 1.0)
+        width = max(span / max(max_points, 1), RAW_INTERVAL_S)
+        # a rollup up to twice as coarse as asked beats reading raw samples (half the
+        # points, a fraction of the rows)
+        table, table_width = next(((t, w) for t, w in reversed(ROLLUPS) if w <= 2 * width),
+                                  ("gpu", 0))
+        if table == "gpu":
+            return self.gpu_history_from_raw(since, until, max_points)
+        width = math.ceil(width / table_width) * table_width  # whole rollup buckets
+        since = math.floor(since / table_width) * table_width
+        rows = self.db.execute(
+            "SELECT node_id, gpu, CAST((bucket * ?3 - ?1) / ?4 + 1e-9 AS INTEGER) AS i, "  # noqa: S608 - a table of ROLLUPS
+            "sum(n), sum(util_sum), max(mem_max), max(temp_max), sum(power_sum), "
+            f"sum(power_n) FROM {table} "
+            "WHERE bucket >= CAST(?1 / ?3 AS INTEGER) AND bucket < ?2 "
+            "GROUP BY node_id, gpu, i ORDER BY node_id, gpu, i",
+            (since, math.ceil(until / table_width), table_width, width))
+        return _points(rows, since, width)
+
+    def gpu_history_from_raw(self, since: float, until: float, max_points: int = 120
+                             ) -> dict[tuple[str, int], list[GpuPoint]]:
+        """What `gpu_history` answers, from the raw samples alone: for spans short enough
+        that no rollup is fine enough, and the baseline its benchmark measures them by."""
+        width = max((until - since) / max(max_points, 1), RAW_INTERVAL_S)
+        rows = self.db.execute(
+            "SELECT node_id, gpu, CAST((at - ?1) / ?3 + 1e-9 AS INTEGER) AS i, count(*), "
+            "sum(util), max(mem_used), max(temp), total(power), count(power) FROM gpu "
+            "WHERE at >= ?1 AND at < ?2 GROUP BY node_id, gpu, i ORDER BY node_id, gpu, i",
+            (since, until, width))
+        return _points(rows, since, width)
+
+    def _transaction(self) -> _Transaction:
+        return _Transaction(self.db)
+
+
+class _Transaction:
+    def __init__(self, db: sqlite3.Connection) -> None:
+        self.db = db
+
+    def __enter__(self) -> None:
+        self.db.execute("BEGIN")
+
+    def __exit__(self, kind: type[BaseException] | None, *_: object) -> None:
+        self.db.execute("COMMIT" if kind is None else "ROLLBACK")
+
+
+def _points(rows: Iterable[tuple[str, int, int, int, float, int, float, float, int]],
+            since: float, width: float) -> dict[tuple[str, int], list[GpuPoint]]:
+    """Folded rows (node, GPU, bucket index, samples, utilisation sum, memory max,
+    temperature max, power sum, power samples), ordered by GPU then bucket, as points."""
+    out: dict[tuple[str, int], list[GpuPoint]] = {}
+    key: tuple[str, int] | None = None
+    points: list[GpuPoint] = []
+    for node, gpu, index, n, util, mem, temp, power, power_n in rows:
+        if (node, gpu) != key:
+            key = (node, gpu)
+            points = out.setdefault(key, [])
+        points.append(GpuPoint(at=since + index * width, utilization_pct=util / n,
+                               memory_used_mb=int(mem), temperature_c=temp,
+                               power_w=power / power_n if power_n else None))
+    return out

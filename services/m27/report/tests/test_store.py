@@ -1,0 +1,102 @@
+"""The report's embedded history: idempotent writes, the attempt rule in SQL agreeing with
+the pure one, GPU history from rollups agreeing with the raw samples, retention."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from m27.common.events import MetricPoint, MetricPoints
+from m27.common.metric_points import series
+from m27.common.model import GpuSample
+from m27.report.store import History
+
+RUN = "r-20261204-033000-abcdef"
+
+
+def batch(attempt: int, steps: list[int], offset: int = 0) -> MetricPoints:
+    return MetricPoints(
+        at=0.0, task_id=f"{RUN}/train", run_id=RUN, step="train", attempt=attempt,
+        node_id="n1", offset=offset,
+        points=tuple(MetricPoint(step=s, at=float(s), values={"loss": float(attempt * 1000 + s)})
+                     for s in steps))
+
+
+@pytest.fixture
+def history(tmp_path: Path) -> History:
+    return History(tmp_path / "history.sqlite")
+
+
+def test_a_message_stored_twice_is_stored_once(history: History) -> None:
+    history.add_metrics(batch(1, [0, 1, 2]))
+    history.add_metrics(batch(1, [0, 1, 2]))
+    assert [p.step for p in history.metric_series(RUN, "train", "loss")] == [0, 1, 2]
+    sample = GpuSample(index=0, utilization_pct=50.0, memory_used_mb=10, temperature_c=40.0)
+    history.add_gpu_samples("n1", 100.0, [sample])
+    history.add_gpu_samples("n1", 100.0, [sample])
+    (points,) = history.gpu_history(0.0, 3600.0, max_points=10).values()
+    assert len(points) == 1
+    assert points[0].utilization_pct == 50.0
+
+
+def test_non_finite_values_survive(history: History) -> None:
+    history.add_metrics(MetricPoints(
+        at=0.0, task_id=f"{RUN}/train", run_id=RUN, step="train", attempt=1, node_id="n1",
+        offset=0, points=(MetricPoint(step=0, at=0.0, values={"loss": "NaN", "g": "Infinity"}),)))
+    assert history.metric_series(RUN, "train", "loss")[0].values == {"loss": "NaN"}
+    assert history.metric_series(RUN, "train", "g")[0].values == {"g": math.inf}
+    assert history.metric_names(RUN, "train") == ["g", "loss"]
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.dictionaries(st.integers(1, 4),
+                       st.lists(st.integers(0, 40), max_size=15, unique=True).map(sorted),
+                       max_size=4))
+def test_the_sql_series_is_the_pure_series(logged: dict[int, list[int]]) -> None:
+    history = History(":memory:")
+    for attempt, steps in logged.items():
+        history.add_metrics(batch(attempt, steps))
+    expected = series({a: batch(a, s).points for a, s in logged.items()})
+    got = history.metric_series(RUN, "train", "loss")
+    assert [(p.step, p.values["loss"]) for p in got] == [
+        (p.step, p.values["loss"]) for p in expected]
+
+
+def test_gpu_history_from_rollups_matches_the_raw_samples(history: History) -> None:
+    start = 600.0 * 1667  # on the 10-minute grid
+    for k in range(720 * 2):  # 2 h of 5 s samples, 2 GPUs
+        at = start + 5 * k
+        history.add_gpu_samples("n1", at, [
+            GpuSample(index=g, utilization_pct=float(k % 100), memory_used_mb=k,
+                      temperature_c=30.0 + g, power_w=100.0) for g in (0, 1)])
+    since, until = start, start + 7200
+    coarse = history.gpu_history(since, until, max_points=12)  # 10-min buckets
+    fine = history.gpu_history(since, until, max_points=2000)  # the raw samples
+    assert set(coarse) == {("n1", 0), ("n1", 1)}
+    assert [len(v) for v in coarse.values()] == [12, 12]
+    raw = fine[("n1", 0)]
+    for i, bucket in enumerate(coarse[("n1", 0)]):
+        inside = [p for p in raw if since + i * 600 <= p.at < since + (i + 1) * 600]
+        assert bucket.utilization_pct == pytest.approx(
+            sum(p.utilization_pct for p in inside) / len(inside))
+        assert bucket.memory_used_mb == max(p.memory_used_mb for p in inside)
+        assert bucket.power_w == pytest.approx(100.0)
+    baseline = history.gpu_history_from_raw(since, until, max_points=12)
+    assert {k: [(p.at, round(p.utilization_pct, 9), p.memory_used_mb) for p in v]
+            for k, v in baseline.items()} == {
+        k: [(p.at, round(p.utilization_pct, 9), p.memory_used_mb) for p in v]
+        for k, v in coarse.items()}
+
+
+def test_prune_forgets_the_old(history: History) -> None:
+    sample = GpuSample(index=0, utilization_pct=1.0, memory_used_mb=1, temperature_c=1.0)
+    for at in (10.0, 5000.0):
+        history.add_gpu_samples("n1", at, [sample])
+    history.add_metrics(batch(1, [1, 4000]))
+    history.prune(before=3600.0)
+    assert [p.at for p in history.gpu_history(0.0, 10_000.0, 10_000)[("n1", 0)]] == [5000.0]
+    assert [p.step for p in history.metric_series(RUN, "train", "loss")] == [4000]
