@@ -3,7 +3,8 @@
 While a step runs its agent reads what was appended to the file every POLL_S, complete
 lines only (a line still being written waits for its newline), at most READ_BYTES at a
 time, and publishes the points as `metric_points` messages of at most BATCH points on
-`m27.metrics.<run>.<step>.node-<node>` (stream M27_METRICS). Each message's id is the
+`m27.metrics.<run>.<step>.node-<node>` (stream M27_METRICS), and of at most
+BATCH_BYTES of lines. Each message's id is the
 attempt and the file offset of its first line, so a message published twice (a retry
 after a lost ack) is stored once. When the step ends the rest of the file is read and
 published before its `task_exited`, so a finished step's series is complete. Lines that
@@ -24,6 +25,9 @@ from m27.common.metric_points import MAX_LINE_BYTES, parse_line
 POLL_S: Final = 0.5
 READ_BYTES: Final = 4 * 1024 * 1024
 BATCH: Final = 2000
+#: Lines per message are also capped by their bytes, so a message stays far below NATS's
+#: 1 MiB payload limit whatever the lines hold.
+BATCH_BYTES: Final = 256 * 1024
 
 
 @dataclass
@@ -32,6 +36,7 @@ class Chunk:
 
     offset: int  # of the first line read
     points: list[MetricPoint] = field(default_factory=list)
+    size: int = 0  # bytes of the lines read
 
 
 @dataclass
@@ -73,9 +78,10 @@ class MetricsFile:
             if isinstance(got, str):
                 self._problem(start, got)
                 continue
-            if not chunks or len(chunks[-1].points) >= BATCH:
+            if not chunks or len(chunks[-1].points) >= BATCH or chunks[-1].size >= BATCH_BYTES:
                 chunks.append(Chunk(offset=start))
             chunks[-1].points.append(got)
+            chunks[-1].size += len(line) + 1
         return chunks, position
 
     def _problem(self, at: int, problem: str) -> None:

@@ -381,7 +381,7 @@ class TaskRunner:
         for escalation in task.escalations:  # the timeout too: it must not fire any more
             escalation.cancel()
         # the rest of its metrics before its exit, so a finished step's series is whole
-        await self._retrying("metrics", lambda: self._publish_metrics(task, reads=16))
+        await self._retrying("metrics", lambda: self._drain_metrics(task))
         if task.stop is None and not self._leased():
             # Killed by the node's guard while the lease had lapsed (the agent was frozen).
             task.stop = StopRequest("fenced", "the node's lease lapsed: fenced by its guard")
@@ -456,6 +456,14 @@ class TaskRunner:
             except (TimeoutError, nats.errors.Error, OSError) as exc:  # read again next time
                 log.warning("metrics.publish_failed", error=str(exc) or type(exc).__name__)
 
+    async def _drain_metrics(self, task: RunningTask) -> None:
+        """The rest of an ended step's metrics; a file it cannot read (the step took its
+        permissions away, a failing disk) never holds up the step's exit."""
+        try:
+            await self._publish_metrics(task, reads=16)
+        except OSError as exc:
+            log.warning("metrics.unreadable", error=str(exc))
+
     async def _publish_metrics(self, task: RunningTask, reads: int = 4) -> None:
         """At most `reads` × READ_BYTES of what is new in the file: a step that writes
         faster than that per poll (16 MiB per 0.5 s) falls behind, and at its end what
@@ -472,12 +480,17 @@ class TaskRunner:
                     log.warning("metrics.lines_skipped", file=str(tail.path),
                                 first=tail.first_problem)
                 for chunk in chunks:
-                    await self._bus.publish(
-                        subjects.metrics(cmd.run_id, cmd.step, self._sender), MetricPoints(
-                            at=self._clock(), task_id=cmd.task_id, run_id=cmd.run_id,
-                            step=cmd.step, attempt=cmd.attempt, node_id=self._node.node_id,
-                            offset=chunk.offset, points=tuple(chunk.points)),
-                        msg_id=f"{cmd.task_id}:{cmd.attempt}:metrics:{chunk.offset}")
+                    try:
+                        await self._bus.publish(
+                            subjects.metrics(cmd.run_id, cmd.step, self._sender), MetricPoints(
+                                at=self._clock(), task_id=cmd.task_id, run_id=cmd.run_id,
+                                step=cmd.step, attempt=cmd.attempt,
+                                node_id=self._node.node_id, offset=chunk.offset,
+                                points=tuple(chunk.points)),
+                            msg_id=f"{cmd.task_id}:{cmd.attempt}:metrics:{chunk.offset}")
+                    except nats.errors.MaxPayloadError:  # cannot happen below BATCH_BYTES
+                        log.warning("metrics.batch_too_big", offset=chunk.offset,
+                                    points=len(chunk.points))
                 tail.offset = end
                 if end - start < READ_BYTES // 2:
                     return  # caught up; a read near the limit means more may be waiting

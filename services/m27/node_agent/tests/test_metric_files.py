@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from m27.node_agent._metric_files import BATCH, MetricsFile
+from m27.node_agent._metric_files import BATCH, BATCH_BYTES, MetricsFile
 
 
 def test_only_complete_lines_are_read_and_the_offset_moves_past_them(tmp_path: Path) -> None:
@@ -59,3 +59,14 @@ def test_a_file_the_program_truncates_is_read_again_from_its_start(tmp_path: Pat
     path.write_bytes(b'{"step": 3, "loss": 1}\n')  # opened with "w" again
     chunks, _ = tail.read(1.0)
     assert [p.step for c in chunks for p in c.points] == [3]
+
+
+def test_wide_lines_make_smaller_batches(tmp_path: Path) -> None:
+    """Bounded by bytes too: 200 metrics a line still fit a NATS message."""
+    path = tmp_path / "m.jsonl"
+    wide = b", ".join(b'"metric_%03d": 0.123456789012' % i for i in range(200))
+    path.write_bytes(b"".join(b'{"step": %d, %s}\n' % (s, wide) for s in range(300)))
+    chunks, _ = MetricsFile(path).read(1.0)
+    assert sum(len(c.points) for c in chunks) == 300
+    assert all(c.size <= BATCH_BYTES + 64 * 1024 for c in chunks)
+    assert len(chunks) > 1
