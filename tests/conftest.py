@@ -15,7 +15,7 @@ from m27.client import Client
 from m27.common import api_auth
 from m27.embedded import NatsServer
 from m27.embedded.processes import ServiceProcess, launch, stop, wait_ready
-from tests.support import Cluster
+from tests.support import Cluster, embedded
 
 StartService = Callable[..., ServiceProcess]
 
@@ -83,3 +83,13 @@ async def client(system: Cluster) -> AsyncIterator[Client]:
     """A client of the module's `system` (each scheduling test module starts its own)."""
     async with system.client() as connected:
         yield connected
+
+
+@pytest.fixture(scope="module", params=["loopback", "tls"])
+def attacked_home(tmp_path_factory: pytest.TempPathFactory,
+                  request: pytest.FixtureRequest) -> Iterator[Path]:
+    """`m27 up` with two nodes, as attack suites use it: once as it starts on loopback and
+    again with mutual TLS on, since no defence may depend on how connections are carried."""
+    root = tmp_path_factory.mktemp("secure")
+    with embedded(root, tls=request.param == "tls", nodes=2, gpus="sim:1") as home:
+        yield home

@@ -11,7 +11,7 @@ import stat
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import nats
@@ -27,21 +27,16 @@ from m27.common.principals import Principal, principal
 from m27.embedded import NatsServer, system
 from m27.report.service import history_path
 from m27.report.store import History
-from tests.support import embedded, finished_run, nats_settings
+from tests.support import finished_run, nats_settings
 
 pytestmark = pytest.mark.integration
 
 LONG = "pipeline:\n  - name: long\n    type: gpu_light\n    command: sleep 300\n"
 
 
-@pytest.fixture(scope="module", params=["loopback", "tls"])
-def home(tmp_path_factory: pytest.TempPathFactory,
-         request: pytest.FixtureRequest) -> Iterator[Path]:
-    """The attacks are made on the embedded system as `m27 up` starts it, and again with
-    mutual TLS on: the defences do not depend on how the connections are carried."""
-    root = tmp_path_factory.mktemp("secure")
-    with embedded(root, tls=request.param == "tls", nodes=2, gpus="sim:1") as home:
-        yield home
+@pytest.fixture(scope="module")
+def home(attacked_home: Path) -> Path:
+    return attacked_home
 
 
 def url(home: Path) -> str:

@@ -10,7 +10,7 @@ import asyncio
 import json
 import secrets
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import msgspec
@@ -27,7 +27,7 @@ from m27.common.model import RunRecord, SecretSet
 from m27.common.principals import Principal, principal
 from m27.embedded import system
 from m27.v1 import pipeline_pb2 as pb
-from tests.support import embedded, finished_run, nats_settings
+from tests.support import finished_run, nats_settings
 
 pytestmark = pytest.mark.integration
 
@@ -69,14 +69,9 @@ pipeline:
 """
 
 
-@pytest.fixture(scope="module", params=["loopback", "tls"])
-def home(tmp_path_factory: pytest.TempPathFactory,
-         request: pytest.FixtureRequest) -> Iterator[Path]:
-    """The attacks are made on the embedded system as `m27 up` starts it, and again with
-    mutual TLS on: the defences do not depend on how the connections are carried."""
-    root = tmp_path_factory.mktemp("secure")
-    with embedded(root, tls=request.param == "tls", nodes=2, gpus="sim:1") as home:
-        yield home
+@pytest.fixture(scope="module")
+def home(attacked_home: Path) -> Path:
+    return attacked_home
 
 
 def api(home: Path) -> str:
