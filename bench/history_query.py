@@ -21,7 +21,9 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from m27.common.model import GpuSample
 from m27.report.store import History
@@ -53,16 +55,16 @@ def fill(history: History, gpus: int, hours: float, start: float) -> tuple[int, 
     return written, time.perf_counter() - began
 
 
-def timed(query: object, runs: int = 5) -> float:
+def timed(query: Callable[[], object], runs: int = 5) -> float:
     times = []
     for _ in range(runs):
         began = time.perf_counter()
-        query()  # type: ignore[operator]
+        query()
         times.append(time.perf_counter() - began)
     return statistics.median(times)
 
 
-def measure(gpus: int, hours: float, points: int) -> dict[str, object]:
+def measure(gpus: int, hours: float, points: int) -> dict[str, Any]:
     start = 1_764_547_200.0  # 2025-12-01 00:00 UTC, on every rollup's grid
     until = start + hours * 3600
     with tempfile.TemporaryDirectory(prefix="m27-bench-") as tmp:
