@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import sqlite3
+import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +44,16 @@ CREATE TABLE IF NOT EXISTS gpu (
     temp REAL NOT NULL, power REAL, throttle TEXT NOT NULL,
     PRIMARY KEY (node_id, gpu, at)) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS gpu_at ON gpu (at);
+"""
+#: One metric of one step: a point is left out when a later attempt began at or before it.
+_SERIES: Final = """
+WITH starts AS (
+    SELECT attempt, min(tstep) AS first FROM metrics
+    WHERE run_id = ?1 AND step = ?2 GROUP BY attempt)
+SELECT m.tstep, m.at, m.value FROM metrics m
+WHERE m.run_id = ?1 AND m.step = ?2 AND m.name = ?3
+  AND NOT EXISTS (SELECT 1 FROM starts s WHERE s.attempt > m.attempt AND s.first <= m.tstep)
+ORDER BY m.tstep
 """
 _ROLLUP_SCHEMA: Final = """
 CREATE TABLE IF NOT EXISTS {table} (
@@ -72,7 +83,11 @@ def _value(raw: float | str) -> float | None:
 
 
 class History:
+    """One connection, used from any thread but one at a time (`_lock`): the consumer and
+    the retention loop write, the dashboard reads."""
+
     def __init__(self, path: Path | str) -> None:
+        self._lock = threading.RLock()
         self.db = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False)
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute("PRAGMA synchronous=NORMAL")  # the streams are what is durable
@@ -131,25 +146,17 @@ class History:
     # ------------------------------------------------------------ out
 
     def metric_names(self, run_id: str, step: str) -> list[str]:
-        return [r[0] for r in self.db.execute(
-            "SELECT DISTINCT name FROM metrics WHERE run_id = ? AND step = ? ORDER BY name",
-            (run_id, step))]
+        with self._lock:
+            return [r[0] for r in self.db.execute(
+                "SELECT DISTINCT name FROM metrics WHERE run_id = ? AND step = ? "
+                "ORDER BY name", (run_id, step))]
 
     def metric_series(self, run_id: str, step: str, name: str) -> list[MetricPoint]:
         """One metric of one step across its attempts, each training step once: an
         attempt's points replace earlier attempts' from its first logged step on
         (`m27.common.metric_points.series`, here in SQL)."""
-        rows = self.db.execute(
-            """
-            WITH starts AS (
-                SELECT attempt, min(tstep) AS first FROM metrics
-                WHERE run_id = ?1 AND step = ?2 GROUP BY attempt)
-            SELECT m.tstep, m.at, m.value FROM metrics m
-            WHERE m.run_id = ?1 AND m.step = ?2 AND m.name = ?3
-              AND NOT EXISTS (SELECT 1 FROM starts s
-                              WHERE s.attempt > m.attempt AND s.first <= m.tstep)
-            ORDER BY m.tstep
-            """, (run_id, step, name))
+        with self._lock:
+            rows = self.db.execute(_SERIES, (run_id, step, name)).fetchall()
         return [MetricPoint(step=tstep, at=at, values={name: "NaN" if v is None else v})
                 for tstep, at, v in rows]
 
@@ -170,13 +177,16 @@ class History:
             return self.gpu_history_from_raw(since, until, max_points)
         width = math.ceil(width / table_width) * table_width  # whole rollup buckets
         since = math.floor(since / table_width) * table_width
-        rows = self.db.execute(
-            "SELECT node_id, gpu, CAST((bucket * ?3 - ?1) / ?4 + 1e-9 AS INTEGER) AS i, "  # noqa: S608 - a table of ROLLUPS
+        query = (  # `table` is a name from ROLLUPS, never a caller's text
+            "SELECT node_id, gpu, "  # noqa: S608
+            "CAST((bucket * ?3 - ?1) / ?4 + 1e-9 AS INTEGER) AS i, "
             "sum(n), sum(util_sum), max(mem_max), max(temp_max), sum(power_sum), "
             f"sum(power_n) FROM {table} "
             "WHERE bucket >= CAST(?1 / ?3 AS INTEGER) AND bucket < ?2 "
-            "GROUP BY node_id, gpu, i ORDER BY node_id, gpu, i",
-            (since, math.ceil(until / table_width), table_width, width))
+            "GROUP BY node_id, gpu, i ORDER BY node_id, gpu, i")
+        with self._lock:
+            rows = self.db.execute(query, (since, math.ceil(until / table_width),
+                                           table_width, width)).fetchall()
         return _points(rows, since, width)
 
     def gpu_history_from_raw(self, since: float, until: float, max_points: int = 120
@@ -184,26 +194,33 @@ class History:
         """What `gpu_history` answers, from the raw samples alone: for spans short enough
         that no rollup is fine enough, and the baseline its benchmark measures them by."""
         width = max((until - since) / max(max_points, 1), RAW_INTERVAL_S)
-        rows = self.db.execute(
-            "SELECT node_id, gpu, CAST((at - ?1) / ?3 + 1e-9 AS INTEGER) AS i, count(*), "
-            "sum(util), max(mem_used), max(temp), total(power), count(power) FROM gpu "
-            "WHERE at >= ?1 AND at < ?2 GROUP BY node_id, gpu, i ORDER BY node_id, gpu, i",
-            (since, until, width))
+        with self._lock:
+            rows = self.db.execute(
+                "SELECT node_id, gpu, CAST((at - ?1) / ?3 + 1e-9 AS INTEGER) AS i, "
+                "count(*), sum(util), max(mem_used), max(temp), total(power), count(power) "
+                "FROM gpu WHERE at >= ?1 AND at < ?2 "
+                "GROUP BY node_id, gpu, i ORDER BY node_id, gpu, i",
+                (since, until, width)).fetchall()
         return _points(rows, since, width)
 
     def _transaction(self) -> _Transaction:
-        return _Transaction(self.db)
+        return _Transaction(self.db, self._lock)
 
 
 class _Transaction:
-    def __init__(self, db: sqlite3.Connection) -> None:
+    def __init__(self, db: sqlite3.Connection, lock: threading.RLock) -> None:
         self.db = db
+        self.lock = lock
 
     def __enter__(self) -> None:
+        self.lock.acquire()
         self.db.execute("BEGIN")
 
     def __exit__(self, kind: type[BaseException] | None, *_: object) -> None:
-        self.db.execute("COMMIT" if kind is None else "ROLLBACK")
+        try:
+            self.db.execute("COMMIT" if kind is None else "ROLLBACK")
+        finally:
+            self.lock.release()
 
 
 def _points(rows: Iterable[tuple[str, int, int, int, float, int, float, float, int]],
