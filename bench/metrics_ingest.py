@@ -20,9 +20,10 @@ import json
 import os
 import platform
 import sys
-import tempfile
 import time
 from pathlib import Path
+
+from _embedded import temporary_system
 
 from m27.client import Client
 from m27.common import events, subjects
@@ -96,16 +97,8 @@ async def run(home: Path, url: str, api: str, work: Path, points: int,
 
 
 def measure(points: int, metrics: int) -> dict[str, object]:
-    with tempfile.TemporaryDirectory(prefix="m27-bench-") as tmp:
-        home, work = Path(tmp) / "home", Path(tmp) / "work"
-        work.mkdir()
-        os.environ["M27_HOME"] = str(home)
-        os.environ["M27_CONFIG"] = str(Path(tmp) / "none")
-        try:
-            state, _ = system.up(home, gpus="none", log_level="warning")
-            result = asyncio.run(run(home, state.nats_url, state.api, work, points, metrics))
-        finally:
-            system.down(home)
+    with temporary_system() as (state, home, work):
+        result = asyncio.run(run(home, state.nats_url, state.api, work, points, metrics))
     return {"machine": platform.platform(), "cpus": os.cpu_count(),
             "python": sys.version.split()[0], **result}
 

@@ -18,12 +18,12 @@ import platform
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
+from _embedded import temporary_system
+
 from m27.client import Client
-from m27.embedded import system
 
 COMMAND = "true"
 
@@ -68,18 +68,10 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory(prefix="m27-bench-") as tmp:
-        home, work = Path(tmp) / "home", Path(tmp) / "work"
-        work.mkdir()
-        os.environ["M27_HOME"] = str(home)
-        os.environ["M27_CONFIG"] = str(Path(tmp) / "none")
-        state, _ = system.up(home, gpus="none", log_level="warning")
-        try:
-            direct = [baseline(args.steps, work) for _ in range(args.repeat)]
-            m27 = [asyncio.run(through_m27(state.api, args.steps, work))
-                   for _ in range(args.repeat)]
-        finally:
-            system.down(home)
+    with temporary_system() as (state, _home, work):
+        direct = [baseline(args.steps, work) for _ in range(args.repeat)]
+        m27 = [asyncio.run(through_m27(state.api, args.steps, work))
+               for _ in range(args.repeat)]
     result = {
         "steps": args.steps, "repeat": args.repeat, "machine": platform.platform(),
         "cpus": os.cpu_count(), "python": sys.version.split()[0],

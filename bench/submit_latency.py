@@ -22,13 +22,13 @@ import platform
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
+from _embedded import temporary_system
+
 from m27.client import Client, RunEvent
 from m27.common.model import RunRecord
-from m27.embedded import system
 
 COMMAND = "true"
 PIPELINE = f"name: latency\npipeline:\n  - name: only\n    command: {COMMAND}\n"
@@ -90,17 +90,9 @@ def summary(values: list[float]) -> dict[str, float]:
 
 
 def measure(runs: int) -> dict[str, object]:
-    with tempfile.TemporaryDirectory(prefix="m27-bench-") as tmp:
-        home, work = Path(tmp) / "home", Path(tmp) / "work"
-        work.mkdir()
-        os.environ["M27_HOME"] = str(home)
-        os.environ["M27_CONFIG"] = str(Path(tmp) / "none")
-        try:
-            state, _ = system.up(home, gpus="none", log_level="warning")
-            direct = [popen_start(work) for _ in range(runs)]
-            m27 = asyncio.run(through_m27(state.api, runs, work))
-        finally:
-            system.down(home)
+    with temporary_system() as (state, _home, work):
+        direct = [popen_start(work) for _ in range(runs)]
+        m27 = asyncio.run(through_m27(state.api, runs, work))
     return {
         "runs": runs, "command": COMMAND, "machine": platform.platform(),
         "cpus": os.cpu_count(), "python": sys.version.split()[0],
