@@ -193,7 +193,7 @@ FENCES_BUCKET: Final = "m27_fences"
 MAINTENANCE_BUCKET: Final = "m27_maintenance"
 SECRETS_BUCKET: Final = "m27_secrets"
 #: How long a run's secret values are kept at most (they are deleted sooner, when the
-#: run succeeds or is cancelled): a failed run can be retried within this time.
+#: run succeeds): a failed or cancelled run can be retried within this time.
 SECRETS_TTL_S: Final = 30 * 86400.0
 
 

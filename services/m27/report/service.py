@@ -156,8 +156,8 @@ class MetricsIn:
 
 
 def history_path(home: Path) -> Path:
-    """The history store: `$M27_HOME/history/history.sqlite` (rebuilt from the streams if
-    deleted)."""
+    """The history store: `$M27_HOME/history/history.sqlite` (the streams are the source
+    of truth: module `store`)."""
     return home / "history" / "history.sqlite"
 
 

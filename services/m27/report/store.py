@@ -1,6 +1,8 @@
 """The report service's embedded history: training metrics and per-GPU samples in SQLite,
-materialised from the streams (M27_METRICS, and the GPU samples of every heartbeat), which
-stay the source of truth: the file can be deleted and rebuilt by reading them again.
+materialised from the streams (M27_METRICS now; the GPU samples once a telemetry stream
+carries them), which stay the source of truth: a lost file is rebuilt by reading them
+again (an admin deletes the `report-metrics` consumer; the service makes a new one from
+the start of the stream).
 
 Why SQLite (docs/architecture.md, "History"): it ships with Python (no new dependency,
 nothing to run), one file under `$M27_HOME`, WAL lets the dashboard read while the consumer
