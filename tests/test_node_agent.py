@@ -235,6 +235,24 @@ async def test_a_reported_io_phase_is_idle_at_once(agent: ServiceProcess, bus: N
     await watch.wait_for(events.TaskExited, of(cmd))
 
 
+async def test_idle_is_seen_between_heartbeats(start_service: Any, bus: NatsBus,
+                                                watch: Watch) -> None:
+    """Utilization is read every `sample_interval` (1 s), not every heartbeat (8 s here):
+    a stalled task is idle after three such samples, before a second heartbeat shows it."""
+    start_service("node_agent", "--node-id", NODE, "--gpus", "sim:1",
+                  "--heartbeat-interval", "8s", "--sample-interval", "1s")
+    cmd = start_cmd("sleep 300", step_type="gpu_light", gpu_ids=(0,), gpu_share=0.5)
+    await send(bus, cmd)
+    went_idle = await watch.wait_for(events.TaskIdle, of(cmd), timeout=30)
+    assert went_idle.reason == "gpu_idle"
+    beats = [h for h in watch.all(events.NodeHeartbeat)
+             if cmd.task_id in h.running and h.at <= went_idle.at]
+    assert len(beats) <= 1, [h.at for h in beats]
+    await send(bus, events.StopTask(at=time.time(), task_id=cmd.task_id, attempt=1,
+                                    grace_s=2))
+    await watch.wait_for(events.TaskExited, of(cmd))
+
+
 async def test_metrics_use_the_dcgm_exporter_names(agent: ServiceProcess, bus: NatsBus,
                                                    watch: Watch) -> None:
     import urllib.request

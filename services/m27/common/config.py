@@ -54,9 +54,13 @@ class NodeSection(msgspec.Struct, frozen=True, kw_only=True):
     lease_fence_after: Duration = 10.0
     stop_grace: Duration = 10.0
     # A running task under this GPU utilization for idle_samples samples in a row is idle
-    # (I/O wait): its share can be lent out.
+    # (I/O wait): its share can be lent out. Utilization and reported phases are read every
+    # sample_interval (a longer one: every heartbeat), so idle is seen after about
+    # idle_samples x sample_interval; memory limits, energy and leaks are judged at each
+    # heartbeat.
     idle_threshold_pct: Annotated[float, msgspec.Meta(ge=0, le=100)] = 10.0
     idle_samples: Annotated[int, msgspec.Meta(ge=1, le=100)] = 3
+    sample_interval: Duration = 1.0
     # A task over its GPU memory share: warn, and with "stop" stop it after
     # over_share_samples samples over.
     over_share: Literal["stop", "warn"] = "stop"

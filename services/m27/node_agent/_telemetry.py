@@ -1,6 +1,7 @@
 """The node's telemetry loop, one `tick` per heartbeat: sample the GPUs, decide (`_monitor`)
 and apply — publish idle / busy / over-share / leak events, stop tasks over their share,
-kill leaked processes when that is safe — and hand the samples back to the agent.
+kill leaked processes when that is safe — and hand the samples back to the agent. Between
+heartbeats `watch_idle` samples every `[node] sample_interval` for idle and busy alone.
 
 Every event has a `msg_id`, and events that could not be published wait in an outbox for
 the next tick, so a NATS outage loses none and a re-publish is a no-op for JetStream.
@@ -174,36 +175,53 @@ class Telemetry:
         self._now = 0.0
         self.samples: tuple[GpuSample, ...] = ()
         self._views: tuple[RunningView, ...] = ()
+        self._lock = asyncio.Lock()
 
     # ------------------------------------------------------------ the agent's calls
 
     async def tick(self, running: Sequence[RunningView], now: float) -> tuple[GpuSample, ...]:
-        """One sample of every GPU, its decisions applied; () if the GPUs could not be read."""
-        self._now = now
-        views = tuple(running)
-        try:
-            samples, phases = await asyncio.to_thread(self._read, views, now)
-        except Exception as exc:  # NVML can fail (GPU lost); the node is still alive
-            log.error("node.gpu_sample_failed", backend=self._backend.kind,
-                      error=str(exc) or type(exc).__name__)
+        """The heartbeat's sample of every GPU, every decision applied (idle, over-share,
+        leaks, energy); () if the GPUs could not be read."""
+        return await self._observe(running, now, full=True)
+
+    async def watch_idle(self, running: Sequence[RunningView], now: float) -> None:
+        """A sample between heartbeats (`[node] sample_interval`): only idle and busy are
+        decided (and energy counted), so a stall is lent out seconds after it starts rather
+        than heartbeats later. Over-share and leak checks keep the heartbeat's pace."""
+        await self._observe(running, now, full=False)
+
+    async def _observe(self, running: Sequence[RunningView], now: float, *,
+                       full: bool) -> tuple[GpuSample, ...]:
+        async with self._lock:  # one reading at a time: the backends keep deltas
+            self._now = max(self._now, now)
+            views = tuple(running)
+            try:
+                samples, phases = await asyncio.to_thread(self._read, views, now)
+            except Exception as exc:  # NVML can fail (GPU lost); the node is still alive
+                if full:  # logged once per heartbeat, not once per sample
+                    self.samples = ()
+                    log.error("node.gpu_sample_failed", backend=self._backend.kind,
+                              error=str(exc) or type(exc).__name__)
+                await self._flush()
+                return ()
+            tasks = task_samples(views, samples, phases, self._backend.task_utilization(),
+                                 self._backend.unmeasured(),
+                                 {g.index: g.memory_total_mb for g in self._backend.gpus},
+                                 self._settings.memory_overprovision)
+            self._energy.add(samples, tasks, now)
+            by_key = {v.key: v for v in views}
+            for task in tasks:
+                idle = self._idle.observe(task)
+                if idle is not None:
+                    self._on_idle(by_key[task.key], idle, now)
+            self.samples, self._views = samples, views  # the heartbeat carries the latest
+            if full:
+                for task in tasks:
+                    for over in self._over.observe(task):
+                        await self._on_over_share(by_key[task.key], over, now)
+                await self._check_leaks(samples, set(by_key), now)
             await self._flush()
-            return ()
-        self.samples, self._views = samples, views
-        tasks = task_samples(views, samples, phases, self._backend.task_utilization(),
-                             self._backend.unmeasured(),
-                             {g.index: g.memory_total_mb for g in self._backend.gpus},
-                             self._settings.memory_overprovision)
-        self._energy.add(samples, tasks, now)
-        by_key = {v.key: v for v in views}
-        for task in tasks:
-            idle = self._idle.observe(task)
-            if idle is not None:
-                self._on_idle(by_key[task.key], idle, now)
-            for over in self._over.observe(task):
-                await self._on_over_share(by_key[task.key], over, now)
-        await self._check_leaks(samples, set(by_key), now)
-        await self._flush()
-        return samples
+            return samples
 
     def energy_j(self, task_id: str, attempt: int) -> float | None:
         """The task's share of its GPUs' energy so far (for its TaskExited)."""

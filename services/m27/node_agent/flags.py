@@ -47,6 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "0: the number of cores)")
     parser.add_argument("--heartbeat-interval", metavar="DURATION",
                         help="e.g. 5s ([node] heartbeat_interval)")
+    parser.add_argument("--sample-interval", metavar="DURATION",
+                        help="how often GPU utilization is read for idle detection, e.g. 1s "
+                        "([node] sample_interval; at most the heartbeat interval)")
     return parser
 
 
@@ -57,6 +60,7 @@ def overrides(args: argparse.Namespace) -> Overrides:
         ("node", "gpus"): args.gpus,
         ("node", "cpu_slots"): args.cpu_slots,
         ("node", "heartbeat_interval"): args.heartbeat_interval,
+        ("node", "sample_interval"): args.sample_interval,
     }
 
 
@@ -79,6 +83,9 @@ def check_settings(settings: NodeSection, node_timeout: float) -> None:
     if settings.heartbeat_interval < MIN_HEARTBEAT_S:
         raise ConfigError(f"[node] heartbeat_interval = {settings.heartbeat_interval:g}s: "
                           f"must be at least {MIN_HEARTBEAT_S:g}s")
+    if settings.sample_interval < MIN_HEARTBEAT_S:
+        raise ConfigError(f"[node] sample_interval = {settings.sample_interval:g}s: must be "
+                          f"at least {MIN_HEARTBEAT_S:g}s")
     if not settings.heartbeat_interval < settings.lease_fence_after < node_timeout:
         raise ConfigError(
             f"[node] lease_fence_after = {settings.lease_fence_after:g}s must be longer than "

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import secrets
 import socket
@@ -33,7 +34,7 @@ from m27.common.bus import NatsBus, consume, decode_or_poison
 from m27.common.config import NodeSection
 from m27.common.logging import bind_contextvars, get_logger
 from m27.common.metrics import MetricsServer
-from m27.common.model import GpuSample, NodeInfo
+from m27.common.model import NodeInfo
 from m27.common.service import ServiceRuntime
 from m27.node_agent._backends import Backend, open_backend
 from m27.node_agent._file_sync import FileCheckpoints, remote_stores
@@ -99,6 +100,8 @@ class NodeAgent:
         self._heartbeats_stop = asyncio.Event()
         self._heartbeat_task: asyncio.Task[None] | None = None
         self._fence_task: asyncio.Task[None] | None = None
+        self._sample_task: asyncio.Task[None] | None = None
+        self._first_sample = asyncio.Event()
         self._consumer_task: asyncio.Task[None] | None = None
         self._staging: set[asyncio.Task[None]] = set()
         self._guard: subprocess.Popen[bytes] | None = None
@@ -135,6 +138,9 @@ class NodeAgent:
         self.metrics_address = await self._start_metrics()
         await self._register()
         self._guard = start_guard(self.lease.path, self.runner.ledger_path, self._node_id)
+        self._sample_task = asyncio.create_task(self._sample_loop(), name="telemetry")
+        with contextlib.suppress(TimeoutError):  # so the first heartbeat carries a reading
+            await asyncio.wait_for(self._first_sample.wait(), self._settings.heartbeat_interval)
         self._heartbeat_task = asyncio.create_task(self._heartbeat_loop(), name="heartbeats")
         self._fence_task = asyncio.create_task(self._fence_loop(), name="self-fencing")
         self._consumer_task = asyncio.create_task(self._consume(), name="node commands")
@@ -197,7 +203,7 @@ class NodeAgent:
         """Store the node record with the next seq; only then announce the heartbeat."""
         assert self._info is not None
         now = self._clock()
-        samples = await self._sample(now)
+        samples = self.telemetry.samples
         holdings = self.runner.task_holdings()
         info = msgspec.structs.replace(self._info, last_heartbeat=now, seq=self._info.seq + 1,
                                        samples=samples, holdings=holdings, state=self._state)
@@ -214,13 +220,28 @@ class NodeAgent:
             tasks=holdings))
         await self.runner.kill_stale()
 
-    async def _sample(self, now: float) -> tuple[GpuSample, ...]:
-        """Telemetry: GPU readings, plus idle, over-share and leak events for the tasks."""
-        try:
-            return await self.telemetry.tick(self.runner.views(), now)
-        except Exception as exc:  # NVML can fail (GPU lost); the node is still alive
-            log.error("node.gpu_sample_failed", backend=self._backend.kind, error=str(exc))
-            return ()
+    async def _sample_loop(self) -> None:
+        """Telemetry: every `[node] sample_interval` a reading decides idle and busy; once
+        per heartbeat interval it decides everything (over-share, leaks) and the heartbeat
+        carries the latest reading."""
+        heartbeat = self._settings.heartbeat_interval
+        every = min(self._settings.sample_interval, heartbeat)
+        last_full = -math.inf
+        while not self._heartbeats_stop.is_set():
+            started = monotonic()
+            full = started - last_full >= heartbeat - every / 2
+            try:
+                if full:
+                    last_full = started
+                    await self.telemetry.tick(self.runner.views(), self._clock())
+                else:
+                    await self.telemetry.watch_idle(self.runner.views(), self._clock())
+            except Exception as exc:  # a failed sample must not end the loop
+                log.error("node.telemetry_failed", error=str(exc) or type(exc).__name__)
+            self._first_sample.set()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._heartbeats_stop.wait(),
+                                       max(0.0, every - (monotonic() - started)))
 
     async def _fence_loop(self) -> None:
         """Self-fencing: when the lease lapses, this node's tasks die here, before the
@@ -306,6 +327,7 @@ class NodeAgent:
         self._heartbeats_stop.set()
         await _finish(self._heartbeat_task, 5.0)
         await _finish(self._fence_task, 5.0)
+        await _finish(self._sample_task, 5.0)
         self.lease.close()
         stop_guard(self._guard)
         if self.metrics is not None:

@@ -50,7 +50,9 @@ Kind = Literal["arrive", "wake", "stop", "fail", "tick"]
 class SimConfig(msgspec.Struct, frozen=True, kw_only=True):
     horizon_s: float | None = None  # stop here; None: once every job is done
     tick_s: float = 60.0  # the policy is also asked this often (aging, notice delays)
-    idle_detect_s: float = 15.0  # the agent reports idle after 3 samples of 5 s
+    # The agent reports idle after `[node] idle_samples` (3) samples `sample_interval` (1 s)
+    # apart.
+    idle_detect_s: float = 3.0
     failure_mtbf_h: float = 0.0  # mean running hours between a task's crashes; 0: none
     seed: int = 0
     bucket_s: float = 900.0  # resolution of the utilization-over-time series

@@ -183,6 +183,24 @@ async def test_overprovision_and_an_explicit_request_set_the_limit() -> None:
     assert [e.limit_mb for e in bus.of(events.TaskOverShare)] == [4500]
 
 
+async def test_samples_between_heartbeats_decide_idle_but_nothing_else() -> None:
+    """`watch_idle` counts towards idle like a heartbeat's sample; over-share and leaks are
+    judged only at heartbeats (`tick`), so their confirmation keeps the heartbeat's pace."""
+    backend, bus, stops = Scripted(), MemoryBus(), Stops()
+    tel = telemetry(backend, bus, stops)  # 2 samples: idle, 2 samples over: stopped
+    backend.set(0, mine(9000))  # idle, and far over its 5000 MiB share
+    await tel.watch_idle([view()], now=1.0)
+    await tel.watch_idle([view()], now=2.0)
+    assert [type(e).__name__ for _, e, _ in bus.published] == ["TaskIdle"]
+    assert tel.samples[0].memory_used_mb == 9000  # what the next heartbeat carries
+    await tel.tick([view()], now=5.0)  # the first heartbeat sample over: warned only
+    assert [e.action for e in bus.of(events.TaskOverShare)] == ["warned"]
+    assert stops.calls == []
+    await tel.tick([view()], now=10.0)
+    assert [e.action for e in bus.of(events.TaskOverShare)] == ["warned", "stopped"]
+    assert len(stops.calls) == 1
+
+
 async def test_energy_is_accounted_per_task_until_it_is_forgotten() -> None:
     backend, bus, stops = Scripted(), MemoryBus(), Stops()
     tel = telemetry(backend, bus, stops)

@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from m27.common.config import NodeSection
 from m27.scheduler.model import (
     MILLI_PER_GPU,
     ClusterState,
@@ -109,16 +110,22 @@ def test_invariants_hold_for_random_traces(
         assert o.end_s >= s.submit_s + s.duration_s - 1e-6
 
 
+def test_the_simulated_idle_detection_is_the_agents_default() -> None:
+    node = NodeSection()
+    assert SimConfig().idle_detect_s == pytest.approx(node.idle_samples * node.sample_interval)
+
+
 def test_gpu_time_held_while_staging_and_in_io_is_counted() -> None:
     """A half GPU that stages 600 s, computes 2 × 600 s with one 100 s I/O phase between."""
     job = msgspec.structs.replace(sim_job("j", at=0.0, duration=1200.0, milli=500,
                                           io_every=600.0, io_s=100.0), stage_s=600.0)
     trace = Trace(name="t", nodes=make_nodes(1, 1), jobs=(job,))
-    raw = simulate(trace, make_policy("m27", trace), SimConfig(tick_s=300.0))
+    cfg = SimConfig(tick_s=300.0)
+    raw = simulate(trace, make_policy("m27", trace), cfg)
     assert raw.held_staging_gpu_s == pytest.approx(0.5 * 600.0)
     assert raw.held_io_gpu_s == pytest.approx(0.5 * 100.0)
-    # the first `idle_detect_s` of each (15 s) pass before anything could be lent into it
-    assert raw.held_unseen_gpu_s == pytest.approx(0.5 * (15.0 + 15.0))
+    # the first `idle_detect_s` of each pass before anything could be lent into it
+    assert raw.held_unseen_gpu_s == pytest.approx(0.5 * 2 * cfg.idle_detect_s)
     assert raw.alloc_gpu_s == pytest.approx(0.5 * (600.0 + 1200.0 + 100.0))
 
 
