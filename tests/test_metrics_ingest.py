@@ -2,7 +2,8 @@
 lines a shell appends to `$M27_METRICS_FILE` both become `metric_points` on
 `m27.metrics.<run>.<step>.node-<node>`, every point once and in order, with the attempt;
 a retried attempt continues the same series, which the report service's history store
-holds the same way."""
+holds the same way. Every heartbeat's GPU readings reach M27_TELEMETRY, and the history
+knows which GPU a step held and when (point 2)."""
 
 from __future__ import annotations
 
@@ -103,3 +104,50 @@ async def test_logged_points_reach_the_bus_once_each_and_attempts_make_one_serie
         assert history.metric_names(run_id, "shell") == ["acc"]
     finally:
         history.close()
+
+
+async def test_the_history_knows_which_gpu_a_step_held_from_the_telemetry_stream(
+        cluster: Cluster, tmp_path: Path) -> None:
+    release = tmp_path / "release"
+    pipeline = (
+        "pipeline:\n"
+        "  - name: md\n"
+        "    type: gpu\n"
+        f"    command: for i in $(seq 600); do test -f {release} && exit 0; sleep 0.1; done;"
+        " exit 1\n")
+    history = History(history_path(cluster.home))
+    try:
+        async with cluster.client() as client:
+            run_id = await client.submit(pipeline, workdir=str(tmp_path))
+            deadline = time.monotonic() + 60
+            while not (held := history.held_gpus(f"{run_id}/md")):  # seen while it runs
+                assert time.monotonic() < deadline, cluster.logs()
+                await asyncio.sleep(0.2)
+            release.touch()
+            run = await finished_run(client, run_id, timeout=60)
+        assert run.state == "succeeded", run
+        md = run.step("md")
+        assert md is not None
+        assert md.node_id
+        [span] = held
+        assert (span.attempt, span.node_id, (span.gpu,), span.share) == (
+            md.attempt, md.node_id, md.gpu_ids, 1.0)
+        assert span.first_at <= span.last_at
+        assert f"{run_id}/md" in [h.task_id for h in
+                                  history.holders(md.node_id, span.gpu, span.first_at)]
+        readings = history.gpu_history(span.first_at - 1, span.last_at + 1, max_points=1000)
+        assert readings[(md.node_id, span.gpu)], readings
+    finally:
+        history.close()
+    bus = await NatsBus.open(cluster.nats_url, name="test-telemetry")
+    try:
+        info = await bus.js.stream_info(subjects.TELEMETRY_STREAM)
+        last = await bus.js.get_last_msg(subjects.TELEMETRY_STREAM,
+                                         subjects.telemetry(f"node-{md.node_id}"))
+    finally:
+        await bus.close()
+    assert info.state.messages > 0
+    reading = events.decode_telemetry(last.data or b"")
+    assert (reading.node_id, reading.backend) == (md.node_id, "simulated")
+    assert [g.index for g in reading.gpus] == [0, 1]
+    assert all(g.simulated for g in reading.gpus)

@@ -452,10 +452,26 @@ class MetricPoints(_Message, frozen=True, tag="metric_points"):
     points: tuple[MetricPoint, ...]
 
 
+# ---------------------------------------------------------------- GPU telemetry
+
+
+class GpuTelemetry(_Message, frozen=True, tag="gpu_telemetry"):
+    """A node's GPU readings at one heartbeat (`[node] heartbeat_interval`) and who held
+    what, stored in M27_TELEMETRY for the history (the heartbeat itself is core NATS, for
+    the scheduler only). `incarnation` and `seq` are the lease renewal's: the message id."""
+
+    node_id: str
+    incarnation: str
+    seq: int
+    backend: GpuBackend
+    gpus: tuple[GpuSample, ...] = ()
+    tasks: tuple[TaskHolding, ...] = ()
+
+
 SchedulerCommand = EnqueueTask | CancelTask
 NodeCommand = StartTask | StopTask | CheckpointTask | PauseTask | ResumeTask | StageTask
 Command = SchedulerCommand | NodeCommand
-Message = Event | Command | MetricPoints
+Message = Event | Command | MetricPoints | GpuTelemetry
 
 _encoder: Final = msgspec.json.Encoder()
 _event_decoder: Final = msgspec.json.Decoder(Event)
@@ -483,10 +499,15 @@ def decode_node_command(data: bytes) -> NodeCommand:
 
 
 _metrics_decoder: Final = msgspec.json.Decoder(MetricPoints)
+_telemetry_decoder: Final = msgspec.json.Decoder(GpuTelemetry)
 
 
 def decode_metrics(data: bytes) -> MetricPoints:
     return _metrics_decoder.decode(data)
+
+
+def decode_telemetry(data: bytes) -> GpuTelemetry:
+    return _telemetry_decoder.decode(data)
 
 
 def decode_message(data: bytes) -> Message:

@@ -6,6 +6,7 @@ the gRPC edge (see `m27.common.proto`). Schema evolution: add fields with defaul
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Final, Literal
 
 import msgspec
@@ -216,6 +217,21 @@ class TaskHolding(msgspec.Struct, frozen=True, kw_only=True):
     gpu_ids: tuple[int, ...] = ()
     gpu_share: float = 0.0
     paused: bool = False
+
+
+def per_gpu_share(gpu_ids: Sequence[int], gpu_share: float) -> float:
+    """The share of each listed GPU a task holds.
+
+    `gpu_share` is a fraction (0.1-1.0) of each GPU, or — as in `Resources.gpus` — the
+    number of whole GPUs; 0 with GPUs listed means whole GPUs.
+    """
+    if not gpu_ids:
+        return 0.0
+    if gpu_share <= 0:
+        return 1.0
+    if gpu_share > 1:
+        return min(1.0, gpu_share / len(gpu_ids))
+    return gpu_share
 
 
 class Fence(msgspec.Struct, frozen=True, kw_only=True):

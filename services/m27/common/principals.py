@@ -188,6 +188,7 @@ def permissions(who: Principal) -> Permissions:
             *look,
             subjects.task_events("*", "*", who.name), subjects.node_events(node),
             subjects.heartbeat(node), subjects.metrics("*", "*", who.name),
+            subjects.telemetry(who.name),
             *kv_write(subjects.NODES_BUCKET, node), *kv_read(subjects.NODES_BUCKET),
             *kv_read(subjects.FENCES_BUCKET), subjects.SECRETS_REQUEST,
             *service_entry("node-agent", node),
@@ -208,8 +209,11 @@ def permissions(who: Principal) -> Permissions:
             subjects.RUN_REPORT_ALL,
             *service_entry("report"),
             *durable_consumer(event_stream, subjects.REPORT_RUN_STATE, subjects.RUN_STATE_ALL),
+            *kv_read(subjects.FENCES_BUCKET),
             *durable_consumer(subjects.METRICS_STREAM, subjects.REPORT_METRICS,
                               subjects.METRICS_ALL),
+            *durable_consumer(subjects.TELEMETRY_STREAM, subjects.REPORT_TELEMETRY,
+                              subjects.TELEMETRY_ALL),
         )
     return Permissions(publish=publish, subscribe=subscribe)
 
@@ -246,15 +250,29 @@ def sender_problem(subject: str, event: events.Event, fence: Fence | None) -> st
     return None
 
 
-def metrics_problem(subject: str, batch: events.MetricPoints) -> str | None:
+def metrics_problem(subject: str, batch: events.MetricPoints, fence: Fence | None = None
+                    ) -> str | None:
     """Why metric points on `subject` cannot be what they claim, or None when they can:
     they must name the run, step and task of their subject, and come from the node they
-    name (the subject's last token, which only that node may publish). A node could still
-    publish points for a step it does not run (the report does not read fences yet)."""
+    name (the subject's last token, which only that node may publish); and when the task's
+    fence (`fence`, its current assignment) is of the same attempt, from the node it gives
+    that attempt to. (An older attempt's points, read again when the history is rebuilt,
+    cannot be judged by today's fence and are taken.)"""
     expected = subjects.metrics(batch.run_id, batch.step, subjects.node_sender(batch.node_id))
     if subject != expected or batch.task_id != f"{batch.run_id}/{batch.step}":
         return (f"metric_points of {batch.task_id[:200]!r} from node {batch.node_id[:100]!r} "
                 f"sent on {subject[:300]}")
+    if fence is not None and fence.attempt == batch.attempt and fence.node_id != batch.node_id:
+        return (f"metric_points of {batch.task_id} attempt {batch.attempt} from node "
+                f"{batch.node_id!r}, but that attempt runs on {fence.node_id!r}")
+    return None
+
+
+def telemetry_problem(subject: str, message: events.GpuTelemetry) -> str | None:
+    """Why GPU telemetry on `subject` cannot be what it claims (its node must be the
+    subject's sender, which only that node may publish), or None."""
+    if subject != subjects.telemetry(subjects.node_sender(message.node_id)):
+        return f"gpu_telemetry of node {message.node_id[:100]!r} sent on {subject[:300]}"
     return None
 
 

@@ -55,6 +55,15 @@ def metrics(run_id: str, step: str, sender: str) -> str:
     return f"{PREFIX}.metrics.{run_id}.{step}.{sender}"
 
 
+#: Every node's GPU telemetry (`telemetry`), in its own stream.
+TELEMETRY_ALL: Final = f"{PREFIX}.telemetry.*"
+
+
+def telemetry(sender: str) -> str:
+    """A node's GPU readings, as that node (`node_sender`) published them."""
+    return f"{PREFIX}.telemetry.{sender}"
+
+
 def run_events(run_id: str) -> str:
     """Everything about one run: its state, its steps, its report."""
     return f"{PREFIX}.events.run.{run_id}.>"
@@ -113,6 +122,7 @@ EVENTS_STREAM: Final = "M27_EVENTS"
 COMMANDS_STREAM: Final = "M27_COMMANDS"
 DEAD_STREAM: Final = "M27_DEAD"
 METRICS_STREAM: Final = "M27_METRICS"
+TELEMETRY_STREAM: Final = "M27_TELEMETRY"
 DEAD_ALL: Final = f"{PREFIX}.dead.>"
 
 
@@ -165,6 +175,15 @@ STREAMS: Final[tuple[StreamSpec, ...]] = (
         description="Training metrics: the points each step's program logged, as its "
         "node-agent read them (metric_points, JSON).",
     ),
+    StreamSpec(
+        name=TELEMETRY_STREAM,
+        subjects=(TELEMETRY_ALL,),
+        retention="limits",
+        # A heartbeat's readings of 8 GPUs are about 2 KB: 35 MB per node and day.
+        max_age_s=7 * DAY,
+        description="GPU telemetry: every node's GPU readings at each heartbeat and who "
+        "held what (gpu_telemetry, JSON).",
+    ),
 )
 
 # ---------------------------------------------------------------- durable consumers
@@ -175,6 +194,7 @@ SCHEDULER_COMMAND_CONSUMER: Final = "scheduler-commands"
 SCHEDULER_TASK_EVENTS: Final = "scheduler-task-events"
 REPORT_RUN_STATE: Final = "report-run-state"
 REPORT_METRICS: Final = "report-metrics"
+REPORT_TELEMETRY: Final = "report-telemetry"
 
 
 def node_command_consumer(node_id: str) -> str:

@@ -20,7 +20,7 @@ from typing import Final, Protocol
 import msgspec
 import pynvml
 
-from m27.common.model import GpuBackend, GpuInfo, GpuSample
+from m27.common.model import GpuBackend, GpuInfo, GpuSample, per_gpu_share
 from m27.node_agent import _nvml
 from m27.node_agent._gpus import (
     GpuSpec,
@@ -28,7 +28,6 @@ from m27.node_agent._gpus import (
     TaskActivity,
     booked_activities,
     busy_fraction,
-    per_gpu_share,
     simulated_gpus,
     simulated_samples,
     task_utilization_pct,

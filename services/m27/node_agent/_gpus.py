@@ -20,7 +20,7 @@ from typing import Final, Literal
 
 import msgspec
 
-from m27.common.model import GpuInfo, GpuProcess, GpuSample
+from m27.common.model import GpuInfo, GpuProcess, GpuSample, per_gpu_share
 from m27.common.units import parse_size
 
 MIB: Final = 1024 * 1024
@@ -100,21 +100,6 @@ class Holding(msgspec.Struct, frozen=True, kw_only=True):
     task_id: str = ""
     attempt: int = 0
     pgid: int = 0
-
-
-def per_gpu_share(gpu_ids: Sequence[int], gpu_share: float) -> float:
-    """The share of each listed GPU a task holds.
-
-    `gpu_share` is a fraction (0.1-1.0) of each GPU, or — as in `Resources.gpus` — the
-    number of whole GPUs; 0 with GPUs listed means whole GPUs.
-    """
-    if not gpu_ids:
-        return 0.0
-    if gpu_share <= 0:
-        return 1.0
-    if gpu_share > 1:
-        return min(1.0, gpu_share / len(gpu_ids))
-    return gpu_share
 
 
 def gpu_loads(holdings: Iterable[Holding]) -> dict[int, float]:

@@ -17,9 +17,9 @@ from typing import Final
 from m27.common.errors import M27Error
 from m27.common.events import StartTask, TaskExited
 from m27.common.ids import is_valid_name
-from m27.common.model import ExitCause, GpuBackend, GpuInfo
+from m27.common.model import ExitCause, GpuBackend, GpuInfo, per_gpu_share
 from m27.common.paths import run_dir
-from m27.node_agent._gpus import gpu_memory_mb, per_gpu_share
+from m27.node_agent._gpus import gpu_memory_mb
 from m27.node_agent._isolation import memory_fraction, mps_env, nccl_env
 
 STDOUT_TAIL_BYTES: Final = 2 * 1024

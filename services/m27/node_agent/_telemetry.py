@@ -5,6 +5,9 @@ heartbeats `watch_idle` samples every `[node] sample_interval` for idle and busy
 
 Every event has a `msg_id`, and events that could not be published wait in an outbox for
 the next tick, so a NATS outage loses none and a re-publish is a no-op for JetStream.
+The heartbeat's readings (`record`) go to M27_TELEMETRY for the history the same way, from
+a second outbox that keeps the last `TELEMETRY_KEEP` of them (an hour of 5 s heartbeats),
+so an outage never pushes out a task's events.
 """
 
 from __future__ import annotations
@@ -23,10 +26,10 @@ import msgspec
 
 from m27.common import events, subjects
 from m27.common.logging import get_logger
-from m27.common.model import GpuSample, TaskHolding
+from m27.common.model import GpuSample, TaskHolding, per_gpu_share
 from m27.node_agent import metrics
 from m27.node_agent._backends import PROC, Backend, TaskKey, read_environ
-from m27.node_agent._gpus import Holding, per_gpu_share
+from m27.node_agent._gpus import Holding
 from m27.node_agent._monitor import (
     EnergyMeter,
     IdleDecision,
@@ -45,11 +48,13 @@ from m27.node_agent._monitor import (
 log = get_logger()
 
 OUTBOX_MAX: Final = 1000
+#: Heartbeat readings kept for the telemetry stream while it cannot be reached.
+TELEMETRY_KEEP: Final = 720
 #: Ended tasks are remembered this long: their processes' GPU memory is a leak to clean.
 ENDED_KEEP_S: Final = 3600.0
 PHASE_MAX_BYTES: Final = 64
 
-Publish = Callable[[str, events.Event, str], Awaitable[object]]
+Publish = Callable[[str, events.Message, str], Awaitable[object]]
 StopTaskFn = Callable[[str, int, str], Awaitable[object] | object]
 
 
@@ -172,6 +177,8 @@ class Telemetry:
         self._leaks = LeakWatch(node_id, never={os.getpid()})
         self._ended: dict[TaskKey, float] = {}
         self._outbox: deque[tuple[str, events.Event, str]] = deque()
+        self._readings: deque[events.GpuTelemetry] = deque(maxlen=TELEMETRY_KEEP)
+        self.readings_dropped = 0
         self._now = 0.0
         self.samples: tuple[GpuSample, ...] = ()
         self._views: tuple[RunningView, ...] = ()
@@ -223,6 +230,19 @@ class Telemetry:
             await self._flush()
             return samples
 
+    def record(self, at: float, incarnation: str, seq: int, samples: Sequence[GpuSample],
+               holdings: Sequence[TaskHolding]) -> None:
+        """Queue a heartbeat's readings for the telemetry stream (sent at the next sample,
+        not on the lease renewal's path); the oldest go when `TELEMETRY_KEEP` wait."""
+        if len(self._readings) == self._readings.maxlen:
+            self.readings_dropped += 1
+            if self.readings_dropped % 100 == 1:
+                log.error("telemetry.readings_dropped", dropped=self.readings_dropped,
+                          why="the telemetry stream has not taken any for a while")
+        self._readings.append(events.GpuTelemetry(
+            at=at, node_id=self._node_id, incarnation=incarnation, seq=seq,
+            backend=self._backend.kind, gpus=tuple(samples), tasks=tuple(holdings)))
+
     def energy_j(self, task_id: str, attempt: int) -> float | None:
         """The task's share of its GPUs' energy so far (for its TaskExited)."""
         return self._energy.energy_j((task_id, attempt))
@@ -272,6 +292,17 @@ class Telemetry:
                             error=str(exc) or type(exc).__name__)
                 return
             self._outbox.popleft()
+        subject = subjects.telemetry(subjects.node_sender(self._node_id))
+        while self._readings:
+            reading = self._readings[0]
+            msg_id = f"{self._node_id}:{reading.incarnation}:{reading.seq}:telemetry"
+            try:
+                await self._publish(subject, reading, msg_id)
+            except Exception as exc:  # kept for the next sample
+                log.warning("telemetry.publish_failed", msg_id=msg_id,
+                            waiting=len(self._readings), error=str(exc) or type(exc).__name__)
+                return
+            self._readings.popleft()
 
     def _on_idle(self, view: RunningView, decision: IdleDecision, now: float) -> None:
         subject = subjects.task_events(view.run_id, view.step,

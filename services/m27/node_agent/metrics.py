@@ -13,8 +13,7 @@ from collections.abc import Mapping, Sequence
 from typing import Final
 
 from m27.common.metrics import Kind, format_labels, number, render_families
-from m27.common.model import GpuBackend, GpuInfo, GpuSample, TaskHolding
-from m27.node_agent._gpus import per_gpu_share
+from m27.common.model import GpuBackend, GpuInfo, GpuSample, TaskHolding, per_gpu_share
 from m27.node_agent._nvml import SW_POWER_CAP, SW_THERMAL_SLOWDOWN
 
 MIB: Final = 1024 * 1024

@@ -107,7 +107,7 @@ class NodeAgent:
         self._guard: subprocess.Popen[bytes] | None = None
         self.fenced = False
 
-    async def _publish(self, subject: str, event: events.Event, msg_id: str) -> None:
+    async def _publish(self, subject: str, event: events.Message, msg_id: str) -> None:
         await self._bus.publish(subject, event, msg_id=msg_id)
 
     def _stop_over_share(self, task_id: str, attempt: int, note: str) -> None:
@@ -218,6 +218,7 @@ class NodeAgent:
             at=now, node_id=self._node_id, backend=self._backend.kind, gpus=samples,
             running=self.runner.running_ids(), incarnation=self.incarnation, seq=info.seq,
             tasks=holdings))
+        self.telemetry.record(now, self.incarnation, info.seq, samples, holdings)
         await self.runner.kill_stale()
 
     async def _sample_loop(self) -> None:

@@ -2,7 +2,9 @@
 
     receive RunStateChanged → decide → GetRun (orchestrator) → render → write atomically
     → publish ReportReady → ack
-    receive MetricPoints → check its sender → the history store (`store.History`) → ack
+    receive MetricPoints → check its sender (and the task's fence) → the history store
+        (`store.History`) → ack
+    receive GpuTelemetry → check its sender → the history store → ack
 
 The event is acked only once the file is durable and the announcement stored. An API that
 cannot be reached (or answers with an error) makes the handler raise, so the event is
@@ -26,8 +28,8 @@ from m27.common.bus import Bus
 from m27.common.config import Config
 from m27.common.errors import M27Error, NotFoundError, Unavailable
 from m27.common.logging import bound_contextvars, get_logger
-from m27.common.model import TERMINAL_RUN_STATES, RunRecord, ServiceInfo
-from m27.common.principals import metrics_problem
+from m27.common.model import TERMINAL_RUN_STATES, Fence, RunRecord, ServiceInfo
+from m27.common.principals import metrics_problem, telemetry_problem
 from m27.common.service import ServiceRuntime
 from m27.report.decide import ORCHESTRATOR, decide, pick_orchestrator, report_file
 from m27.report.files import write_atomic
@@ -142,17 +144,43 @@ class Reporter:
 
 class MetricsIn:
     """Materialises the metrics stream into the history store, one batch at a time (a
-    batch is written before it is acked; a redelivered one changes nothing)."""
+    batch is written before it is acked; a redelivered one changes nothing). Points of an
+    attempt that the task's fence gives to another node are refused (dead-lettered)."""
+
+    def __init__(self, history: History, nats: Bus | None = None) -> None:
+        self.history = history
+        self._nats = nats
+
+    async def handle(self, msg: Msg) -> None:
+        batch = bus.decode_or_poison(msg.data, events.decode_metrics)
+        problem = metrics_problem(msg.subject, batch) or metrics_problem(
+            msg.subject, batch, await self._fence(batch.task_id))
+        if problem:
+            raise bus.PoisonMessage(f"refused: {problem}")
+        await asyncio.to_thread(self.history.add_metrics, batch)
+
+    async def _fence(self, task_id: str) -> Fence | None:
+        """The task's current assignment (None once it is over: its fence is deleted)."""
+        if self._nats is None:
+            return None
+        found = await self._nats.kv_get(subjects.FENCES_BUCKET, subjects.task_key(task_id),
+                                        Fence)
+        return None if found is None else found[0]
+
+
+class TelemetryIn:
+    """Materialises the telemetry stream (every node's heartbeat readings) into the
+    history store."""
 
     def __init__(self, history: History) -> None:
         self.history = history
 
     async def handle(self, msg: Msg) -> None:
-        batch = bus.decode_or_poison(msg.data, events.decode_metrics)
-        problem = metrics_problem(msg.subject, batch)
+        reading = bus.decode_or_poison(msg.data, events.decode_telemetry)
+        problem = telemetry_problem(msg.subject, reading)
         if problem:
             raise bus.PoisonMessage(f"refused: {problem}")
-        await asyncio.to_thread(self.history.add_metrics, batch)
+        await asyncio.to_thread(self.history.add_telemetry, [reading])
 
 
 def history_path(home: Path) -> Path:
@@ -185,8 +213,13 @@ async def serve(rt: ServiceRuntime) -> None:
                          handle=reporter.handle, stop=rt.stop), "run-state")
     rt.spawn(bus.consume(rt.nats.js, stream=subjects.METRICS_STREAM,
                          durable=subjects.REPORT_METRICS, filter_subject=subjects.METRICS_ALL,
-                         handle=MetricsIn(history).handle, stop=rt.stop, batch=64),
+                         handle=MetricsIn(history, rt.nats).handle, stop=rt.stop, batch=64),
              "metrics")
+    rt.spawn(bus.consume(rt.nats.js, stream=subjects.TELEMETRY_STREAM,
+                         durable=subjects.REPORT_TELEMETRY,
+                         filter_subject=subjects.TELEMETRY_ALL,
+                         handle=TelemetryIn(history).handle, stop=rt.stop, batch=64),
+             "telemetry")
     rt.spawn(prune_every(history, rt.stop), "history-retention")
     await rt.ready()
     log.info("report.watching", dir=str(out_dir), api=rt.args.api or "discovered")

@@ -1,8 +1,8 @@
 """The report service's embedded history: training metrics and per-GPU samples in SQLite,
-materialised from the streams (M27_METRICS now; the GPU samples once a telemetry stream
-carries them), which stay the source of truth: a lost file is rebuilt by reading them
-again (an admin deletes the `report-metrics` consumer; the service makes a new one from
-the start of the stream).
+materialised from the streams (M27_METRICS, M27_TELEMETRY), which stay the source of
+truth: a lost file is rebuilt by reading them again (an admin deletes the `report-metrics`
+and `report-telemetry` consumers; the service makes new ones from the start of each
+stream).
 
 Why SQLite (docs/architecture.md, "History"): it ships with Python (no new dependency,
 nothing to run), one file under `$M27_HOME`, WAL lets the dashboard read while the consumer
@@ -14,7 +14,9 @@ thousand rows, then averaged into at most `max_points` buckets per GPU.
 
 Writes are idempotent (a redelivered message changes nothing): a metric point is keyed by
 run, step, attempt, training step and name; a GPU sample by node, GPU and time, and a
-rollup only counts a sample its raw table did not have yet.
+rollup only counts a sample its raw table did not have yet. Who held a GPU is kept as one
+span per task attempt and GPU (first and last reading that showed it there), so "the GPUs
+this step held over its attempts" is an index lookup, not a scan of samples.
 """
 
 from __future__ import annotations
@@ -27,8 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
-from m27.common.events import MetricPoint, MetricPoints
-from m27.common.model import GpuSample
+from m27.common.events import GpuTelemetry, MetricPoint, MetricPoints
+from m27.common.model import GpuSample, per_gpu_share
 
 #: Rollup tables and their bucket widths (seconds), finest first.
 ROLLUPS: Final = (("gpu_1m", 60), ("gpu_10m", 600))
@@ -46,6 +48,11 @@ CREATE TABLE IF NOT EXISTS gpu (
     temp REAL NOT NULL, power REAL, throttle TEXT NOT NULL,
     PRIMARY KEY (node_id, gpu, at)) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS gpu_at ON gpu (at);
+CREATE TABLE IF NOT EXISTS holding (
+    task_id TEXT NOT NULL, attempt INTEGER NOT NULL, node_id TEXT NOT NULL,
+    gpu INTEGER NOT NULL, share REAL NOT NULL, first_at REAL NOT NULL, last_at REAL NOT NULL,
+    PRIMARY KEY (task_id, attempt, node_id, gpu)) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS holding_gpu ON holding (node_id, gpu, last_at);
 """
 #: One metric of one step: a point is left out when a later attempt began at or before it.
 _SERIES: Final = """
@@ -64,6 +71,20 @@ CREATE TABLE IF NOT EXISTS {table} (
     temp_max REAL NOT NULL, power_sum REAL NOT NULL, power_n INTEGER NOT NULL,
     PRIMARY KEY (bucket, node_id, gpu)) WITHOUT ROWID;
 """
+
+
+@dataclass(frozen=True, slots=True)
+class HeldGpu:
+    """One GPU one attempt of a task held, from the first to the last reading that showed
+    it there."""
+
+    task_id: str
+    attempt: int
+    node_id: str
+    gpu: int
+    share: float  # of this GPU
+    first_at: float
+    last_at: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,33 +135,53 @@ class History:
 
     def add_heartbeats(self, beats: Iterable[tuple[str, float, Iterable[GpuSample]]]) -> None:
         """Several heartbeats' readings (node, time, samples) in one transaction."""
+        with self._transaction():
+            self._insert_samples(beats)
+
+    def _insert_samples(self, beats: Iterable[tuple[str, float, Iterable[GpuSample]]]
+                        ) -> None:
         rows = [(node_id, s.index, at, s.utilization_pct, s.memory_used_mb,
                  s.memory_total_mb, s.temperature_c, s.power_w, ",".join(s.throttle))
                 for node_id, at, samples in beats for s in samples]
+        fresh = []
+        for row in rows:
+            cursor = self.db.execute(
+                "INSERT OR IGNORE INTO gpu VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)", row)
+            if cursor.rowcount:
+                fresh.append(row)
+        for table, width in ROLLUPS:
+            self.db.executemany(
+                f"INSERT INTO {table} VALUES (?, ?, ?, 1, ?, ?, ?, ?, ?) "  # noqa: S608
+                "ON CONFLICT (bucket, node_id, gpu) DO UPDATE SET n = n + 1, "
+                "util_sum = util_sum + excluded.util_sum, "
+                "mem_max = max(mem_max, excluded.mem_max), "
+                "temp_max = max(temp_max, excluded.temp_max), "
+                "power_sum = power_sum + excluded.power_sum, "
+                "power_n = power_n + excluded.power_n",
+                [(int(r[2] // width), r[0], r[1], r[3], r[4], r[6], r[7] or 0.0,
+                  int(r[7] is not None)) for r in fresh])
+
+    def add_telemetry(self, readings: Iterable[GpuTelemetry]) -> None:
+        """Nodes' heartbeat readings (the telemetry stream): the samples, and who held
+        which GPU (each holding's span widened to this reading), in one transaction."""
+        readings = list(readings)
+        spans = [(h.task_id, h.attempt, r.node_id, gpu, per_gpu_share(h.gpu_ids, h.gpu_share),
+                  r.at, r.at)
+                 for r in readings for h in r.tasks for gpu in h.gpu_ids]
         with self._transaction():
-            fresh = []
-            for row in rows:
-                cursor = self.db.execute(
-                    "INSERT OR IGNORE INTO gpu VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)", row)
-                if cursor.rowcount:
-                    fresh.append(row)
-            for table, width in ROLLUPS:
-                self.db.executemany(
-                    f"INSERT INTO {table} VALUES (?, ?, ?, 1, ?, ?, ?, ?, ?) "  # noqa: S608
-                    "ON CONFLICT (bucket, node_id, gpu) DO UPDATE SET n = n + 1, "
-                    "util_sum = util_sum + excluded.util_sum, "
-                    "mem_max = max(mem_max, excluded.mem_max), "
-                    "temp_max = max(temp_max, excluded.temp_max), "
-                    "power_sum = power_sum + excluded.power_sum, "
-                    "power_n = power_n + excluded.power_n",
-                    [(int(r[2] // width), r[0], r[1], r[3], r[4], r[6], r[7] or 0.0,
-                      int(r[7] is not None)) for r in fresh])
+            self._insert_samples([(r.node_id, r.at, r.gpus) for r in readings])
+            self.db.executemany(
+                "INSERT INTO holding VALUES (?, ?, ?, ?, ?, ?, ?) "
+                "ON CONFLICT (task_id, attempt, node_id, gpu) DO UPDATE SET "
+                "first_at = min(first_at, excluded.first_at), "
+                "last_at = max(last_at, excluded.last_at)", spans)
 
     def prune(self, before: float) -> None:
         """Forget what is older than `before` (retention; the streams keep their own)."""
         with self._transaction():
             self.db.execute("DELETE FROM gpu WHERE at < ?", (before,))
             self.db.execute("DELETE FROM metrics WHERE at < ?", (before,))
+            self.db.execute("DELETE FROM holding WHERE last_at < ?", (before,))
             for table, width in ROLLUPS:
                 self.db.execute(f"DELETE FROM {table} WHERE bucket < ?",  # noqa: S608
                                 (int(before // width),))
@@ -161,6 +202,25 @@ class History:
             rows = self.db.execute(_SERIES, (run_id, step, name)).fetchall()
         return [MetricPoint(step=tstep, at=at, values={name: "NaN" if v is None else v})
                 for tstep, at, v in rows]
+
+    def held_gpus(self, task_id: str) -> list[HeldGpu]:
+        """The GPUs a task held, attempt by attempt (the report's per-step GPU curves read
+        each one's samples over its span)."""
+        with self._lock:
+            rows = self.db.execute(
+                "SELECT task_id, attempt, node_id, gpu, share, first_at, last_at FROM holding "
+                "WHERE task_id = ? ORDER BY attempt, first_at, node_id, gpu",
+                (task_id,)).fetchall()
+        return [HeldGpu(*row) for row in rows]
+
+    def holders(self, node_id: str, gpu: int, at: float) -> list[HeldGpu]:
+        """Who held one GPU at `at` (by the readings before and after it)."""
+        with self._lock:
+            rows = self.db.execute(
+                "SELECT task_id, attempt, node_id, gpu, share, first_at, last_at FROM holding "
+                "WHERE node_id = ? AND gpu = ? AND last_at >= ? AND first_at <= ? "
+                "ORDER BY task_id, attempt", (node_id, gpu, at, at)).fetchall()
+        return [HeldGpu(*row) for row in rows]
 
     def gpu_history(self, since: float, until: float, max_points: int = 120
                     ) -> dict[tuple[str, int], list[GpuPoint]]:

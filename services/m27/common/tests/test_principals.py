@@ -18,6 +18,7 @@ from m27.common.principals import (
     permissions,
     principal,
     sender_problem,
+    telemetry_problem,
 )
 
 node_ids = st.from_regex(r"[A-Za-z0-9][A-Za-z0-9_-]{0,20}", fullmatch=True)
@@ -69,6 +70,7 @@ def test_each_record_and_command_has_exactly_its_one_writer() -> None:
         "$KV.m27_secrets.r-1.0.abc": {"orchestrator"},
         subjects.SECRETS_REQUEST: {"node-gpu-1"},
         subjects.metrics("r-1", "train", "node-gpu-1"): {"node-gpu-1"},
+        subjects.telemetry("node-gpu-1"): {"node-gpu-1"},
         subjects.task_events("r-1", "train", "node-gpu-1"): {"node-gpu-1"},
         subjects.task_events("r-1", "train", "scheduler"): {"scheduler"},
         subjects.task_events("r-1", "train", "checkpoint-store"): {"checkpoint-store"},
@@ -136,6 +138,7 @@ def test_a_node_can_speak_only_for_itself(mine: str, other: str) -> None:
               subjects.task_events("r-1", "train", subjects.node_sender(other)),
               subjects.task_events("r-1", "train", subjects.SCHEDULER_SENDER),
               subjects.metrics("r-1", "train", subjects.node_sender(other)),
+              subjects.telemetry(subjects.node_sender(other)),
               f"$KV.{subjects.SERVICES_BUCKET}.node-agent.{other}",
               f"$JS.API.CONSUMER.CREATE.M27_COMMANDS.node-{mine}.m27.cmd.node.{other}",
               f"$JS.API.CONSUMER.MSG.NEXT.M27_COMMANDS.node-{other}"]
@@ -144,6 +147,7 @@ def test_a_node_can_speak_only_for_itself(mine: str, other: str) -> None:
            f"$KV.{subjects.NODES_BUCKET}.{mine}",
            subjects.task_events("r-1", "train", subjects.node_sender(mine)),
            subjects.metrics("r-1", "train", subjects.node_sender(mine)),
+           subjects.telemetry(subjects.node_sender(mine)),
            f"$JS.API.CONSUMER.MSG.NEXT.M27_COMMANDS.node-{mine}"]
     assert all(may_publish(me, s) for s in own)
 
@@ -198,3 +202,18 @@ def test_metric_points_must_come_from_the_node_they_name() -> None:
         assert metrics_problem(subject, batch)
     wrong_task = msgspec.structs.replace(batch, task_id="r-1/other")
     assert metrics_problem(subjects.metrics("r-1", "train", "node-gpu-1"), wrong_task)
+    # the task's fence gives this attempt to another node: gpu-1 does not run it
+    here = subjects.metrics("r-1", "train", "node-gpu-1")
+    moved = Fence(task_id="r-1/train", attempt=1, node_id="gpu-2", at=0.0)
+    assert metrics_problem(here, batch, moved)
+    assert metrics_problem(here, batch, msgspec.structs.replace(moved, node_id="gpu-1")) is None
+    # a later attempt elsewhere: this one's points were logged when it ran here
+    assert metrics_problem(here, batch, msgspec.structs.replace(moved, attempt=2)) is None
+
+
+def test_gpu_telemetry_must_come_from_the_node_it_names() -> None:
+    reading = events.GpuTelemetry(at=0.0, node_id="gpu-1", incarnation="i", seq=1,
+                                  backend="simulated")
+    assert telemetry_problem(subjects.telemetry("node-gpu-1"), reading) is None
+    for subject in (subjects.telemetry("node-gpu-2"), "m27.telemetry", "m27.telemetry.x.y"):
+        assert telemetry_problem(subject, reading)

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from m27.common.model import GpuInfo, GpuProcess, GpuSample
+from m27.common.model import GpuInfo, GpuProcess, GpuSample, per_gpu_share
 from m27.node_agent._gpus import (
     SIM_BUSY_TEMP_C,
     SIM_IDLE_POWER_W,
@@ -24,7 +24,6 @@ from m27.node_agent._gpus import (
     gpu_loads,
     gpu_memory_mb,
     parse_gpu_spec,
-    per_gpu_share,
     simulated_gpus,
     simulated_sample,
     simulated_samples,

@@ -19,10 +19,11 @@ import pytest
 
 from m27.common import events, subjects
 from m27.common.memory_bus import MemoryBus
-from m27.common.model import GpuBackend, GpuInfo, GpuProcess, GpuSample
+from m27.common.model import GpuBackend, GpuInfo, GpuProcess, GpuSample, TaskHolding
 from m27.node_agent._backends import SimulatedGpus
 from m27.node_agent._gpus import GpuSpec, Holding, simulated_gpus
 from m27.node_agent._telemetry import (
+    TELEMETRY_KEEP,
     Publish,
     RunningView,
     Telemetry,
@@ -85,7 +86,7 @@ def view(**kw: object) -> RunningView:
 
 def publish_to(bus: MemoryBus) -> Publish:
     """The agent's publish callable (positional msg_id), onto the in-memory bus."""
-    async def publish(subject: str, event: events.Event, msg_id: str) -> None:
+    async def publish(subject: str, event: events.Message, msg_id: str) -> None:
         await bus.publish(subject, event, msg_id=msg_id)
     return publish
 
@@ -226,6 +227,29 @@ async def test_events_the_bus_did_not_take_are_sent_next_tick_with_the_same_ids(
     await tel.tick([view()], now=2.0)
     assert [type(e).__name__ for _, e, _ in bus.published] == ["TaskIdle", "TaskBusy"]  # in order
     assert bus.published[0][2] == "r1/train:1:idle:1.000"
+
+
+async def test_heartbeat_readings_reach_the_telemetry_stream_after_an_outage() -> None:
+    backend, bus, stops = Scripted(), MemoryBus(), Stops()
+    tel = telemetry(backend, bus, stops, idle_samples=1)
+    holding = TaskHolding(task_id="r1/train", attempt=1, gpu_ids=(0,), gpu_share=0.5)
+    backend.set(50)
+    bus.fail_with = TimeoutError("nats: timeout")
+    samples = await tel.tick([view()], now=1.0)
+    for seq in range(TELEMETRY_KEEP + 5):  # more than it keeps while the bus is away
+        tel.record(float(seq), "inc-1", seq, samples, [holding])
+        await tel.tick([view()], now=2.0 + seq)
+    assert bus.published == []
+    assert tel.readings_dropped == 5
+    bus.fail_with = None
+    await tel.tick([view()], now=10_000.0)
+    sent = [(s, e, i) for s, e, i in bus.published if isinstance(e, events.GpuTelemetry)]
+    assert [e.seq for _, e, _ in sent] == list(range(5, TELEMETRY_KEEP + 5))  # the newest
+    subject, first, msg_id = sent[0]
+    assert subject == subjects.telemetry(subjects.node_sender("n1"))
+    assert msg_id == "n1:inc-1:5:telemetry"
+    assert (first.node_id, first.backend, first.tasks) == ("n1", "nvml", (holding,))
+    assert first.gpus == samples
 
 
 async def test_a_failed_sample_gives_no_readings_and_no_decisions() -> None:

@@ -10,10 +10,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from m27.common.events import MetricPoint, MetricPoints
+from m27.common.events import GpuTelemetry, MetricPoint, MetricPoints
 from m27.common.metric_points import series
-from m27.common.model import GpuSample
-from m27.report.store import History
+from m27.common.model import GpuSample, TaskHolding
+from m27.report.store import HeldGpu, History
 
 RUN = "r-20261204-033000-abcdef"
 
@@ -100,3 +100,62 @@ def test_prune_forgets_the_old(history: History) -> None:
     history.prune(before=3600.0)
     assert [p.at for p in history.gpu_history(0.0, 10_000.0, 10_000)[("n1", 0)]] == [5000.0]
     assert [p.step for p in history.metric_series(RUN, "train", "loss")] == [4000]
+
+
+def reading(at: float, seq: int, *tasks: TaskHolding, node: str = "n1") -> GpuTelemetry:
+    return GpuTelemetry(at=at, node_id=node, incarnation="i1", seq=seq,
+                        backend="simulated", gpus=tuple(
+                            GpuSample(index=g, utilization_pct=50.0, memory_used_mb=g,
+                                      temperature_c=40.0, simulated=True) for g in (0, 1)),
+                        tasks=tasks)
+
+
+def test_telemetry_keeps_the_samples_and_who_held_each_gpu(history: History) -> None:
+    whole = TaskHolding(task_id="r1/train", attempt=1, gpu_ids=(0, 1), gpu_share=2.0)
+    half = TaskHolding(task_id="r2/prep", attempt=3, gpu_ids=(1,), gpu_share=0.5)
+    readings = [reading(100.0, 1, whole), reading(105.0, 2, whole, half),
+                reading(110.0, 3, half)]
+    history.add_telemetry(readings)
+    history.add_telemetry(readings[1:])  # redelivered: changes nothing
+    assert history.held_gpus("r1/train") == [
+        HeldGpu("r1/train", 1, "n1", 0, 1.0, 100.0, 105.0),
+        HeldGpu("r1/train", 1, "n1", 1, 1.0, 100.0, 105.0)]
+    assert history.held_gpus("r2/prep") == [HeldGpu("r2/prep", 3, "n1", 1, 0.5, 105.0, 110.0)]
+    assert [h.task_id for h in history.holders("n1", 1, 105.0)] == ["r1/train", "r2/prep"]
+    assert [h.task_id for h in history.holders("n1", 1, 108.0)] == ["r2/prep"]
+    assert history.holders("n1", 0, 108.0) == []
+    assert history.holders("n2", 1, 105.0) == []
+    samples = history.gpu_history(0.0, 200.0, max_points=1000)
+    assert [p.at for p in samples[("n1", 0)]] == [100.0, 105.0, 110.0]
+    coarse = history.gpu_history(0.0, 200.0, max_points=1)  # a rollup counts each once
+    assert coarse == history.gpu_history_from_raw(0.0, 200.0, max_points=1)
+
+
+def test_a_later_attempt_is_its_own_span_and_old_spans_are_pruned(history: History) -> None:
+    first = TaskHolding(task_id="r1/train", attempt=1, gpu_ids=(0,), gpu_share=1.0)
+    again = TaskHolding(task_id="r1/train", attempt=2, gpu_ids=(1,), gpu_share=1.0)
+    history.add_telemetry([reading(10.0, 1, first), reading(20.0, 2, first)])
+    history.add_telemetry([reading(5000.0, 9, again, node="n2")])
+    assert [(h.attempt, h.node_id, h.gpu) for h in history.held_gpus("r1/train")] == [
+        (1, "n1", 0), (2, "n2", 1)]
+    history.prune(before=3600.0)
+    assert [(h.attempt, h.first_at) for h in history.held_gpus("r1/train")] == [(2, 5000.0)]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 40), st.sampled_from(["a/x", "b/y"]),
+                          st.integers(1, 3), st.integers(0, 3)), max_size=40))
+def test_a_span_is_the_first_and_last_reading_that_showed_it(
+        seen: list[tuple[int, str, int, int]]) -> None:
+    history = History(":memory:")
+    history.add_telemetry([reading(float(at), at, TaskHolding(
+        task_id=task, attempt=attempt, gpu_ids=(gpu,), gpu_share=1.0))
+        for at, task, attempt, gpu in seen])
+    for task in ("a/x", "b/y"):
+        expected: dict[tuple[int, int], list[float]] = {}
+        for at, t, attempt, gpu in seen:
+            if t == task:
+                expected.setdefault((attempt, gpu), []).append(float(at))
+        assert {(h.attempt, h.gpu): (h.first_at, h.last_at)
+                for h in history.held_gpus(task)} == {
+            k: (min(v), max(v)) for k, v in expected.items()}
