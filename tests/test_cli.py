@@ -180,7 +180,7 @@ def test_bad_pipelines_are_reported_with_their_location(m27: M27) -> None:
 
 @pytest.mark.slow
 def test_demo_runs_to_a_finished_report(m27: M27) -> None:
-    demo = m27("demo", "--epochs", "2", "--down", timeout=300)
+    demo = m27("demo", "--epochs", "6", "--spike-epoch", "2", "--down", timeout=300)
     assert demo.returncode == 0, demo.stdout + demo.stderr
     assert demo.stderr.rstrip().endswith("m27: stopped the system the demo started (--down)")
     assert m27("status").returncode == 1  # nothing left running
@@ -193,6 +193,13 @@ def test_demo_runs_to_a_finished_report(m27: M27) -> None:
     analysis = json.loads((workdir / "analysis.json").read_text())
     assert analysis["test_samples"] > 0
     assert 0.0 <= analysis["accuracy"] <= 1.0
+    # the blunder at epoch 2 is a loss spike: its monitor asked the step to checkpoint
+    run_id = demo.stdout.split("demo run ", 1)[1].split(" ", 1)[0]
+    training = Path(m27.env["M27_HOME"]) / "runs" / run_id / "logs" / "training.1.out"
+    assert "checkpoint asked for (SIGUSR1)" in training.read_text()
+    agent_log = "".join(p.read_text() for p in (Path(m27.env["M27_HOME"]) / "logs").glob(
+        "node-agent*.log"))
+    assert '"kind": "spike"' in agent_log or "kind=spike" in agent_log, agent_log[-2000:]
 
 
 def test_plan_works_without_a_running_system(m27: M27) -> None:

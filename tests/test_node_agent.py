@@ -22,7 +22,7 @@ from nats.aio.msg import Msg
 from m27.common import events, subjects
 from m27.common.bus import NatsBus
 from m27.common.ids import new_run_id, task_id
-from m27.common.model import Fence, NodeInfo
+from m27.common.model import Fence, MonitorSpec, NodeInfo
 from m27.embedded.nats_server import pid_alive
 from m27.embedded.processes import ServiceProcess
 
@@ -268,6 +268,58 @@ async def test_metrics_use_the_dcgm_exporter_names(agent: ServiceProcess, bus: N
                  "DCGM_FI_DEV_POWER_USAGE"):
         assert f"\n{name}{{" in text
     assert 'm27_simulated="true"' in text
+
+
+SPIKE = """\
+import json, os, signal, time
+asked = []
+signal.signal(signal.SIGUSR1, lambda *_: asked.append(time.time()))
+with open(os.environ["M27_METRICS_FILE"], "a") as metrics:
+    for step in range(40):
+        metrics.write(json.dumps({"step": step, "loss": 1.0 + 0.01 * (step % 3)}) + "\\n")
+    metrics.write(json.dumps({"step": 40, "loss": 50.0, "acc": 0.5}) + "\\n")
+deadline = time.time() + 30
+while not asked and time.time() < deadline:
+    time.sleep(0.05)
+open("asked.txt", "w").write(repr(asked))
+"""
+
+
+async def test_a_loss_spike_is_an_event_and_asks_the_step_to_checkpoint_at_once(
+        agent: ServiceProcess, bus: NatsBus, watch: Watch, m27_home: Path,
+        tmp_path: Path) -> None:
+    """The step's `monitor:` (here `loss` with the defaults): the spike is found in the
+    metrics file the agent tails, published as `training_anomaly` on the step's task
+    subject, and the step gets its checkpoint signal while it still runs."""
+    script = tmp_path / "spike.py"
+    script.write_text(SPIKE)
+    cmd = start_cmd(f'"$M27_PYTHON" {script}', monitor=(MonitorSpec(),))
+    await send(bus, cmd)
+    anomaly = await watch.wait_for(events.TrainingAnomaly, of(cmd), timeout=20)
+    assert (anomaly.kind, anomaly.metric, anomaly.train_step, anomaly.value) == (
+        "spike", "loss", 40, 50.0)
+    assert anomaly.baseline == pytest.approx(1.01)
+    assert (anomaly.node_id, anomaly.actions) == (NODE, ("checkpoint", "notify"))
+    exited = await watch.wait_for(events.TaskExited, of(cmd), timeout=40)
+    assert (exited.cause, exited.exit_code) == ("exit", 0)
+    asked = (workdir(m27_home, cmd) / "asked.txt").read_text()
+    assert asked != "[]", "the step was never asked to checkpoint"
+    assert len(watch.all(events.TrainingAnomaly, of(cmd))) == 1
+
+
+async def test_nan_with_on_anomaly_stop_ends_the_attempt_with_cause_anomaly(
+        agent: ServiceProcess, bus: NatsBus, watch: Watch) -> None:
+    cmd = start_cmd(
+        "printf '{\"step\": 1, \"loss\": 0.5}\\n{\"step\": 2, \"loss\": NaN}\\n' "
+        '>> "$M27_METRICS_FILE"; sleep 300',
+        monitor=(MonitorSpec(on_anomaly=("stop",)),))
+    await send(bus, cmd)
+    anomaly = await watch.wait_for(events.TrainingAnomaly, of(cmd), timeout=20)
+    assert (anomaly.kind, anomaly.train_step, anomaly.value, anomaly.actions) == (
+        "nan", 2, "NaN", ("stop",))
+    exited = await watch.wait_for(events.TaskExited, of(cmd), timeout=30)
+    assert exited.cause == "anomaly"
+    assert "training anomaly: loss is nan at step 2" in exited.reason
 
 
 async def test_a_task_over_its_gpu_memory_share_is_warned_then_stopped(
@@ -685,6 +737,25 @@ async def test_the_checkpoint_interval_becomes_periodic_requests(
     await send(bus, events.StopTask(at=time.time(), task_id=cmd.task_id, attempt=1,
                                     grace_s=1))
     await watch.wait_for(events.TaskExited, of(cmd))
+
+
+PROGRAM_COUNTS_SIGNALS = (
+    "\"$M27_PYTHON\" -c 'import pathlib, signal, time\n"
+    "got = []\n"
+    "signal.signal(signal.SIGUSR1, lambda *_: got.append(1))\n"
+    "while len(got) < 3: time.sleep(0.05)\n"
+    "pathlib.Path(\"got.txt\").write_text(str(len(got)))'")
+
+
+async def test_a_program_under_the_steps_shell_gets_its_checkpoint_signals_and_the_shell_lives(
+        agent: ServiceProcess, bus: NatsBus, watch: Watch, m27_home: Path) -> None:
+    """Debian's sh does not exec the command, and the signal goes to the whole group: the
+    shell must live through it (before the fix it died at the first request, exit 138)."""
+    cmd = start_cmd(PROGRAM_COUNTS_SIGNALS, checkpoint_interval_s=0.3)
+    await send(bus, cmd)
+    exited = await watch.wait_for(events.TaskExited, of(cmd), timeout=20)
+    assert (exited.cause, exited.exit_code, exited.signal) == ("exit", 0, None)
+    assert (workdir(m27_home, cmd) / "got.txt").read_text() == "3"
 
 
 async def test_a_step_with_checkpoint_signal_none_is_never_signalled(

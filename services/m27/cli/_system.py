@@ -39,6 +39,11 @@ def add_commands(sub: Subparsers) -> None:
     demo = add(sub, "demo", "bring the system up if needed and run the bundled demo "
                "pipeline (CPU prep → GPU training → GPU-light analysis) to a report", cmd_demo)
     demo.add_argument("--epochs", type=int, default=15)
+    demo.add_argument("--spike-epoch", type=int, default=0, metavar="N",
+                      help="make the training step blunder at the start of epoch N (a "
+                      "learning rate 300x too large for one batch), to see its training "
+                      "monitor publish training_anomaly and ask for a checkpoint (default: "
+                      "0, none)")
     demo.add_argument("--down", action="store_true",
                       help="stop the system afterwards if the demo started it (default: "
                       "leave it running, to look at the run with m27 show, logs, queue)")
@@ -122,7 +127,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     print_up(state, started)
     workdir = home / "demo" / time.strftime("%Y%m%d-%H%M%S")
     workdir.mkdir(parents=True, exist_ok=True)
-    text, variables = demo_pipeline(epochs=args.epochs)
+    text, variables = demo_pipeline(epochs=args.epochs, spike_epoch=args.spike_epoch)
 
     async def work(client: Client) -> int:
         run_id = await client.submit(text, vars=variables, workdir=str(workdir),

@@ -13,10 +13,13 @@ from typing import Final, Literal
 import msgspec
 
 from m27.common.model import (
+    AnomalyAction,
+    AnomalyKind,
     ExitCause,
     GpuBackend,
     GpuInfo,
     GpuSample,
+    MonitorSpec,
     Resources,
     RunState,
     StepState,
@@ -183,6 +186,27 @@ class TaskOverShare(_Message, frozen=True, tag="task_over_share"):
     action: Literal["warned", "stopped"]
 
 
+class TrainingAnomaly(_Message, frozen=True, tag="training_anomaly"):
+    """The step's training monitor (its `monitor:`) saw an abnormal value of a metric it
+    logs (`m27.common.training_monitor`); `actions` is what the node-agent did or asks for:
+    "checkpoint" (the step's checkpoint signal, sent at once), "notify" (for the people
+    watching), "stop" (the attempt is stopped, cause `anomaly`). A value that is not
+    finite is the string "NaN", "Infinity" or "-Infinity", as in metric points."""
+
+    task_id: str
+    run_id: str
+    step: str
+    attempt: int
+    node_id: str
+    kind: AnomalyKind
+    metric: str
+    train_step: int
+    value: float | str
+    baseline: float | None = None
+    detail: str = ""
+    actions: tuple[AnomalyAction, ...] = ()
+
+
 class CheckpointCommitted(_Message, frozen=True, tag="checkpoint_committed"):
     """The checkpoint-store made a checkpoint of a task visible (its chunks durable, its
     manifest stored). Published on the task's events subject; the scheduler uses it to
@@ -276,6 +300,7 @@ Event = (
     | TaskBusy
     | TaskStaged
     | TaskOverShare
+    | TrainingAnomaly
     | CheckpointCommitted
     | CheckpointCorrupt
     | GpuMemoryLeak
@@ -314,6 +339,7 @@ class EnqueueTask(_Message, frozen=True, tag="enqueue_task"):
     preemptible: bool = False
     not_before: float = 0.0  # a retry's backoff: not to be started before this time
     checkpoint_signal: str = "SIGUSR1"
+    monitor: tuple[MonitorSpec, ...] = ()  # the training monitor (the step's `monitor:`)
     #: Absolute paths the step reads (its `inputs:` and its dependencies' `outputs:`): what
     #: the ready pool stages onto the node the task will most likely start on.
     inputs: tuple[str, ...] = ()
@@ -357,6 +383,7 @@ class StartTask(_Message, frozen=True, tag="start_task"):
     timeout_s: float | None = None  # the agent stops the task after this long
     outputs: tuple[str, ...] = ()  # declared outputs, checked after a zero exit
     checkpoint_signal: str = "SIGUSR1"  # sent for checkpoint requests and each interval
+    monitor: tuple[MonitorSpec, ...] = ()  # what the agent watches in its metrics
     cpus: int = 1
     memory_mb: int = 0
 

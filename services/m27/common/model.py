@@ -20,7 +20,7 @@ Urgency = Literal["low", "normal", "high", "urgent"]
 GpuBackend = Literal["nvml", "simulated", "none"]
 ExitCause = Literal[
     "exit", "not_started", "timeout", "stopped", "superseded", "over_share",
-    "node_stopped", "agent_restarted", "lost", "preempted", "fenced",
+    "node_stopped", "agent_restarted", "lost", "preempted", "fenced", "anomaly",
 ]
 #: Ends that are the infrastructure's fault, not the program's: retried separately.
 INFRASTRUCTURE_CAUSES: Final[frozenset[str]] = frozenset(
@@ -28,6 +28,12 @@ INFRASTRUCTURE_CAUSES: Final[frozenset[str]] = frozenset(
 )
 
 STEP_TYPES: Final[tuple[StepType, ...]] = ("cpu", "gpu", "gpu_light")
+#: Signals a step may ask to get for "checkpoint now" (never one that stops it).
+#: "none": a program that checkpoints on its own schedule (and would die of a signal it
+#: does not handle) is never signalled; its files are still uploaded every interval.
+NO_CHECKPOINT_SIGNAL: Final = "none"
+CHECKPOINT_SIGNALS: Final = ("SIGUSR1", "SIGUSR2", "SIGHUP", "SIGINT", "SIGWINCH",
+                             NO_CHECKPOINT_SIGNAL)
 URGENCIES: Final[tuple[Urgency, ...]] = ("low", "normal", "high", "urgent")
 TERMINAL_STEP_STATES: Final[frozenset[str]] = frozenset(
     {"succeeded", "failed", "cancelled", "skipped"}
@@ -65,6 +71,28 @@ class RetryPolicy(msgspec.Struct, frozen=True, kw_only=True):
     initial_delay_s: float = 10.0
     factor: float = 2.0
     max_delay_s: float = 600.0
+
+
+MonitorMode = Literal["min", "max"]
+AnomalyKind = Literal["nan", "spike", "divergence", "plateau"]
+AnomalyAction = Literal["checkpoint", "notify", "stop"]
+MONITOR_MODES: Final[tuple[MonitorMode, ...]] = ("min", "max")
+ANOMALY_ACTIONS: Final[tuple[AnomalyAction, ...]] = ("checkpoint", "notify", "stop")
+
+
+class MonitorSpec(msgspec.Struct, frozen=True, kw_only=True):
+    """One metric a step's training monitor watches (the step's `monitor:`), what is
+    abnormal for it (`m27.common.training_monitor`) and what the node-agent does then."""
+
+    metric: str = "loss"
+    mode: MonitorMode = "min"  # lower is better (a loss) or higher (an accuracy)
+    window: int = 50  # finite values the spike baseline (a rolling median) is taken over
+    warmup: int = 10  # finite values seen before a spike can be called
+    spike: float = 6.0  # k: beyond median ± k robust standard deviations; 0 turns it off
+    divergence: int = 10  # worse than the value before, this many times in a row; 0 off
+    plateau: int = 0  # values in a row without a new best; 0 off
+    min_delta: float = 0.0  # relative improvement that counts as a new best (plateau)
+    on_anomaly: tuple[AnomalyAction, ...] = ("checkpoint", "notify")
 
 
 class AttemptRecord(msgspec.Struct, frozen=True, kw_only=True):
@@ -132,6 +160,7 @@ class StepRecord(msgspec.Struct, frozen=True, kw_only=True):
     cached_from: str = ""  # `<run_id>/<step>` whose results this step reused
     cancel_requested: bool = False  # `m27 cancel RUN --step NAME`
     checkpoint_signal: str = "SIGUSR1"  # what asks the step to checkpoint now
+    monitor: tuple[MonitorSpec, ...] = ()  # the training monitor's metrics
     energy_j: float | None = None  # GPU energy of its attempts (its share of each GPU)
 
     @property

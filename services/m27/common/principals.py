@@ -283,7 +283,7 @@ def _senders(event: events.Event) -> tuple[str, ...]:
         case events.TaskExited():
             return (subjects.node_sender(event.node_id), subjects.SCHEDULER_SENDER)
         case (events.TaskStarted() | events.TaskIdle() | events.TaskBusy() | events.TaskStaged()
-              | events.TaskOverShare()):
+              | events.TaskOverShare() | events.TrainingAnomaly()):
             return (subjects.node_sender(event.node_id),)
         case events.CheckpointCommitted() | events.CheckpointCorrupt():
             return (subjects.CHECKPOINT_STORE_SENDER,)

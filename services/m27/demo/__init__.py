@@ -9,8 +9,10 @@ from __future__ import annotations
 from importlib import resources
 
 
-def demo_pipeline(*, epochs: int = 8, samples: int = 4000,
-                  seed: int = 27) -> tuple[str, dict[str, str]]:
-    """The bundled pipeline YAML and the variables to submit it with."""
+def demo_pipeline(*, epochs: int = 8, samples: int = 4000, seed: int = 27,
+                  spike_epoch: int = 0) -> tuple[str, dict[str, str]]:
+    """The bundled pipeline YAML and the variables to submit it with (`spike_epoch`: the
+    training step's learning-rate blunder, which its training monitor catches; 0: none)."""
     text = resources.files("m27.demo").joinpath("pipeline.yaml").read_text(encoding="utf-8")
-    return text, {"EPOCHS": str(epochs), "SAMPLES": str(samples), "SEED": str(seed)}
+    return text, {"EPOCHS": str(epochs), "SAMPLES": str(samples), "SEED": str(seed),
+                  "SPIKE_EPOCH": str(spike_epoch)}

@@ -2,14 +2,21 @@
 
 Runs on CUDA when the node has a real GPU; on a node with simulated GPUs it says so and
 trains on the CPU. An interrupted run resumes from its last checkpoint in M27_CHECKPOINT_DIR.
+It logs every batch's loss (`batch_loss`, which the pipeline's `monitor:` watches) and each
+epoch's loss and accuracy; on its checkpoint signal (SIGUSR1, sent by the agent on request
+or on a training anomaly) it saves after the current batch. `--spike-epoch N` makes the
+first batch of epoch N take a step 300 times too large: a real loss spike.
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -59,7 +66,18 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=8)
     parser.add_argument("--seed", type=int, default=27)
     parser.add_argument("--out", type=Path, default=Path("model.pt"))
+    parser.add_argument("--spike-epoch", type=int, default=0,
+                        help="a learning-rate blunder at the start of this epoch (0: none)")
     args = parser.parse_args()
+    asked = threading.Event()
+
+    def on_checkpoint_signal(*_: object) -> None:
+        asked.set()  # os.write: a print here could re-enter one the loop is in
+        os.write(sys.stdout.fileno(), b"checkpoint asked for (SIGUSR1)\n")
+
+    signal.signal(signal.SIGUSR1, on_checkpoint_signal)
+    # Python puts back the default action (death) while it shuts down: ignore it by then
+    atexit.register(signal.signal, signal.SIGUSR1, signal.SIG_IGN)
     torch.manual_seed(args.seed)
     device = pick_device()
     features, labels = load(args.data, "train")
@@ -80,14 +98,26 @@ def main() -> None:
                        total=args.epochs - start, disable=not sys.stdout.isatty()):
         began = time.monotonic()
         loss_sum, correct = 0.0, 0
-        for batch in torch.randperm(len(y), device=device).split(64):
+        batches = torch.randperm(len(y), device=device).split(64)
+        for index, batch in enumerate(batches):
+            blunder = epoch + 1 == args.spike_epoch and index == 0
+            for group in optimizer.param_groups:
+                group["lr"] = 3.0 if blunder else 0.01
             optimizer.zero_grad()
             logits = net(x[batch])
             loss = nn.functional.cross_entropy(logits, y[batch])
             loss.backward()
             optimizer.step()
-            loss_sum += float(loss) * len(batch)
+            loss_sum += loss.item() * len(batch)
             correct += int((logits.argmax(1) == y[batch]).sum())
+            m27.train.log(epoch * len(batches) + index, batch_loss=loss.item())
+            if asked.is_set():  # the checkpoint signal: save now, not at the epoch's end
+                asked.clear()
+                save_checkpoint(checkpoint, {"model": net.state_dict(),
+                                             "optimizer": optimizer.state_dict(),
+                                             "epoch": epoch, "history": history})
+                print(f"saved a checkpoint after batch {index + 1} of epoch {epoch + 1} "
+                      f"(a resume repeats this epoch)", flush=True)
         record = {"epoch": epoch + 1, "loss": loss_sum / len(y), "accuracy": correct / len(y),
                   "seconds": time.monotonic() - began}
         history.append(record)

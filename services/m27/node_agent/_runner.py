@@ -18,7 +18,7 @@ import dataclasses
 import signal
 import subprocess
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
@@ -30,6 +30,7 @@ from m27.common import subjects
 from m27.common.bus import Bus, PoisonMessage
 from m27.common.errors import Unavailable
 from m27.common.events import (
+    MetricPoint,
     MetricPoints,
     SecretsReply,
     SecretsRequest,
@@ -39,7 +40,8 @@ from m27.common.events import (
     TaskStarted,
 )
 from m27.common.logging import bound_contextvars, get_logger
-from m27.common.model import Fence, TaskHolding
+from m27.common.model import NO_CHECKPOINT_SIGNAL, Fence, TaskHolding
+from m27.node_agent._anomalies import TrainingWatch, anomaly_msg_id
 from m27.node_agent._file_sync import FileCheckpoints, FileSync
 from m27.node_agent._gpus import Holding
 from m27.node_agent._isolation import Cgroups, confine, remove_cgroup
@@ -68,6 +70,7 @@ from m27.node_agent._tasks import (
     node_stopping,
     not_started_exit,
     placement_problem,
+    shell_command,
     stop_requested,
     superseded_by,
     task_env,
@@ -97,7 +100,6 @@ class AgentStopping(Unavailable):
     """A StartTask arrived while the agent shuts down; it is redelivered to the next agent."""
 
 
-NO_SIGNAL: Final = "none"  # checkpoint_signal: none — never signalled to checkpoint
 
 
 @dataclass(eq=False)
@@ -121,6 +123,7 @@ class RunningTask:
     escalations: list[asyncio.Task[None]] = field(default_factory=list)
     metrics: MetricsFile | None = None
     metrics_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    training: TrainingWatch | None = None  # the step's `monitor:`, if it has one
 
     @property
     def key(self) -> TaskKey:
@@ -283,7 +286,7 @@ class TaskRunner:
             node = dataclasses.replace(self._node, checkpoint_store=store)
             secrets = await self._secrets(cmd)
             env = task_env(self._environ, cmd, node, paths, secrets)
-            process = await spawn(cmd.command, cwd=paths.workdir, env=env,
+            process = await spawn(shell_command(cmd), cwd=paths.workdir, env=env,
                                   stdout=paths.stdout, stderr=paths.stderr,
                                   mask=tuple(secrets.values()))
         except (OSError, ValueError, subprocess.SubprocessError) as exc:
@@ -297,6 +300,8 @@ class TaskRunner:
         self._save_ledger()
         task.watcher = asyncio.create_task(self._watch(task), name=f"watch {cmd.task_id}")
         task.metrics = MetricsFile(paths.metrics_file)
+        if cmd.monitor:
+            task.training = TrainingWatch(cmd, self._node.node_id)
         task.escalations.append(asyncio.create_task(self._tail_metrics(task)))
         if cmd.checkpoint_interval_s:
             task.escalations.append(asyncio.create_task(
@@ -491,11 +496,40 @@ class TaskRunner:
                     except nats.errors.MaxPayloadError:  # cannot happen below BATCH_BYTES
                         log.warning("metrics.batch_too_big", offset=chunk.offset,
                                     points=len(chunk.points))
+                    self._watch_training(task, chunk.offset, chunk.points)
                 tail.offset = end
                 if end - start < READ_BYTES // 2:
-                    return  # caught up; a read near the limit means more may be waiting
-            if not task.alive:
-                log.warning("metrics.left_unread", file=str(tail.path), offset=tail.offset)
+                    break  # caught up; a read near the limit means more may be waiting
+            else:
+                if not task.alive:
+                    log.warning("metrics.left_unread", file=str(tail.path), offset=tail.offset)
+            await self._publish_anomalies(task)
+
+    def _watch_training(self, task: RunningTask, offset: int,
+                        points: Sequence[MetricPoint]) -> None:
+        """The step's training monitor on points just read: on an anomaly the step is
+        asked to checkpoint at once and/or stopped, as its `monitor:` says."""
+        if task.training is None:
+            return
+        for anomaly in task.training.feed(offset, points, self._clock()):
+            log.warning("task.training_anomaly", task_id=task.cmd.task_id, kind=anomaly.kind,
+                        metric=anomaly.metric, train_step=anomaly.train_step,
+                        detail=anomaly.detail, actions=list(anomaly.actions))
+            note = f"training anomaly: {anomaly.detail}"
+            if "checkpoint" in anomaly.actions:
+                self.request_checkpoint(task.cmd.task_id, task.cmd.attempt, note)
+            if "stop" in anomaly.actions and task.alive and task.stop is None:
+                self._terminate(task, StopRequest("anomaly", note), self._stop_grace_s)
+
+    async def _publish_anomalies(self, task: RunningTask) -> None:
+        """The `training_anomaly` events found so far; one that cannot be published yet
+        waits for the next read."""
+        outbox = task.training.outbox if task.training else None
+        while outbox:
+            await self._bus.publish(
+                subjects.task_events(task.cmd.run_id, task.cmd.step, self._sender), outbox[0],
+                msg_id=anomaly_msg_id(outbox[0]))
+            outbox.popleft()
 
     # ------------------------------------------------------------ StopTask and shutdown
 
@@ -515,7 +549,7 @@ class TaskRunner:
             log.info("task.checkpoint_ignored", task_id=task_id, attempt=attempt,
                      why="not running here")
             return False
-        if task.cmd.checkpoint_signal == NO_SIGNAL:
+        if task.cmd.checkpoint_signal == NO_CHECKPOINT_SIGNAL:
             log.info("task.checkpoint_not_signalled", task_id=task_id, reason=reason,
                      why="checkpoint_signal: none (the program checkpoints on its own)")
             return False

@@ -17,7 +17,14 @@ from typing import Final
 from m27.common.errors import M27Error
 from m27.common.events import StartTask, TaskExited
 from m27.common.ids import is_valid_name
-from m27.common.model import ExitCause, GpuBackend, GpuInfo, per_gpu_share
+from m27.common.model import (
+    CHECKPOINT_SIGNALS,
+    NO_CHECKPOINT_SIGNAL,
+    ExitCause,
+    GpuBackend,
+    GpuInfo,
+    per_gpu_share,
+)
 from m27.common.paths import run_dir
 from m27.node_agent._gpus import gpu_memory_mb
 from m27.node_agent._isolation import memory_fraction, mps_env, nccl_env
@@ -129,6 +136,20 @@ STEP_ENV: Final = (
     "NO_PROXY", "http_proxy", "https_proxy", "no_proxy", "LC_*", "XDG_*", "NVIDIA_*",
     "OMP_*", "MKL_*",
 )
+
+
+def shell_command(cmd: StartTask) -> str:
+    """What `/bin/sh -c` runs: the step's command, after a trap that keeps the shell alive
+    through the step's checkpoint signal. The agent signals the whole process group, and
+    dash (Debian's /bin/sh) does not exec even a single command, so without it the first
+    checkpoint request kills the shell (the step "exits" with 128 + the signal) while the
+    program it started goes on. A caught signal is reset to its default in the programs
+    the shell starts, so they see it exactly as if it had exec'd them; a `trap` of the
+    command's own overrides this one."""
+    name = cmd.checkpoint_signal
+    if name == NO_CHECKPOINT_SIGNAL or name not in CHECKPOINT_SIGNALS:
+        return cmd.command
+    return f"trap : {name.removeprefix('SIG')}; {cmd.command}"
 
 
 def passed_env(base: Mapping[str, str], extra: str = "") -> dict[str, str]:

@@ -195,7 +195,8 @@ def _enqueue(run: RunRecord, step: StepRecord, now: float,
         secrets=run.secret_keys[step.secret_set] if step.secret_set >= 0 else "",
         checkpoint_interval_s=step.checkpoint_interval_s, timeout_s=step.timeout_s,
         outputs=step.outputs, preemptible=step.preemptible, not_before=not_before,
-        checkpoint_signal=step.checkpoint_signal, inputs=paths_read(run, step),
+        checkpoint_signal=step.checkpoint_signal, monitor=step.monitor,
+        inputs=paths_read(run, step),
         preemptions=step.preemptions, fruitless_preemptions=step.fruitless_preemptions)
 
 

@@ -10,29 +10,42 @@ import re
 from dataclasses import dataclass, field
 from typing import Final
 
+import msgspec
 import yaml
 
 from m27.common.ids import is_valid_name
-from m27.common.model import STEP_TYPES, URGENCIES, RetryPolicy, StepType, Urgency
+from m27.common.metric_points import METRIC_NAME_RE
+from m27.common.model import (
+    ANOMALY_ACTIONS,
+    CHECKPOINT_SIGNALS,
+    MONITOR_MODES,
+    STEP_TYPES,
+    URGENCIES,
+    AnomalyAction,
+    MonitorSpec,
+    RetryPolicy,
+    StepType,
+    Urgency,
+)
 from m27.pipeline._yaml import NULL, Reader, kind
 
 TOP_KEYS: Final = ("name", "vars", "priority", "preemptible", "pipeline")
 STEP_KEYS: Final = ("name", "type", "command", "depends_on", "output", "outputs", "inputs",
                     "checkpoint", "resources", "priority", "preemptible", "retries",
                     "timeout", "env", "workdir", "matrix", "max_parallel",
-                    "checkpoint_signal", "secrets")
+                    "checkpoint_signal", "secrets", "monitor")
 RESOURCE_KEYS: Final = ("gpus", "gpu_memory", "cpus", "memory")
 RETRY_KEYS: Final = ("failure", "infrastructure", "backoff")
 BACKOFF_KEYS: Final = ("initial", "factor", "max")
+MONITOR_KEYS: Final = ("metric", "mode", "window", "warmup", "spike", "divergence",
+                       "plateau", "min_delta", "on_anomaly")
+#: Metrics one step's monitor may watch.
+MAX_MONITORS: Final = 16
 VAR_KEYS: Final = ("default", "secret")
 ENV_KEYS: Final = ("value", "secret")
 MAX_STEP_TEMPLATES: Final = 5000
 MAX_MATRIX_VALUES: Final = 1000
 MAX_LABEL: Final = 200
-#: Signals a step may ask to get for "checkpoint now" (never one that stops it).
-#: "none": a program that checkpoints on its own schedule (and would die of a signal it
-#: does not handle) is never signalled; its files are still uploaded every interval.
-CHECKPOINT_SIGNALS: Final = ("SIGUSR1", "SIGUSR2", "SIGHUP", "SIGINT", "SIGWINCH", "none")
 CONTROL_RE: Final = re.compile("[\x00-\x1f\x7f-\x9f]")
 IDENTIFIER_RE: Final = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 RESERVED_ENV: Final = ("M27_", "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER")
@@ -70,6 +83,7 @@ class RawStep:
     matrix: list[tuple[str, list[str]]] = field(default_factory=list)
     max_parallel: int | None = None
     checkpoint_signal: str = "SIGUSR1"
+    monitor: tuple[MonitorSpec, ...] = ()
 
     @property
     def path(self) -> str:
@@ -168,6 +182,8 @@ class DocumentReader(Reader):
         self._env(fields.get("env"), step)
         self._env(fields.get("secrets"), step, secret=True)
         self._matrix(fields, step)
+        if "monitor" in fields:
+            step.monitor = self._monitors(fields["monitor"], f"{path}.monitor")
         return step
 
     def _name(self, fields: dict[str, yaml.Node], node: yaml.Node, path: str) -> str | None:
@@ -265,6 +281,67 @@ class DocumentReader(Reader):
             self.problem(fields.get("backoff"), f"{path}.backoff.max",
                          "the longest delay is shorter than the first one")
         return policy
+
+    def _monitors(self, node: yaml.Node, path: str) -> tuple[MonitorSpec, ...]:
+        """`monitor: true` (the defaults: `loss`), one metric's mapping, or a list of them."""
+        if isinstance(node, yaml.ScalarNode):
+            on = self.boolean(node, path)
+            return (MonitorSpec(),) if on else ()
+        if not isinstance(node, yaml.SequenceNode):
+            return self._monitor(node, path)
+        if len(node.value) > MAX_MONITORS:
+            self.problem(node, path, f"more than {MAX_MONITORS} monitored metrics")
+            return ()
+        specs = [spec for i, item in enumerate(node.value)
+                 for spec in self._monitor(item, f"{path}[{i}]")]
+        names = [s.metric for s in specs]
+        for name in sorted({n for n in names if names.count(n) > 1}):
+            self.problem(node, path, f"the metric {name!r} is monitored twice",
+                         "give each metric once, with all its limits")
+        return tuple(specs)
+
+    def _monitor(self, node: yaml.Node, path: str) -> tuple[MonitorSpec, ...]:
+        fields = self.mapping(node, path, MONITOR_KEYS, "a monitored metric")
+        if not fields and not isinstance(node, yaml.MappingNode):
+            return ()
+        values: dict[str, object] = {}
+        if "metric" in fields:
+            metric = self.string(fields["metric"], f"{path}.metric")
+            if metric is not None and not METRIC_NAME_RE.fullmatch(metric):
+                self.problem(fields["metric"], f"{path}.metric",
+                             f"invalid metric name {metric[:100]!r}",
+                             "a name as the step logs it: letters, digits, '_', '.', '/', '-'")
+            elif metric is not None:
+                values["metric"] = metric
+        if "mode" in fields:
+            values["mode"] = self.choice(fields["mode"], f"{path}.mode", MONITOR_MODES, "mode")
+        for key, low in (("window", 2), ("warmup", 1), ("divergence", 0), ("plateau", 0)):
+            if key in fields:
+                values[key] = self.integer(fields[key], f"{path}.{key}", low, 100_000)
+        for key, high in (("spike", 1000.0), ("min_delta", 1.0)):
+            if key in fields:
+                values[key] = self.number(fields[key], f"{path}.{key}", 0, high)
+        if "on_anomaly" in fields:
+            actions = [a for a, n in self.strings(fields["on_anomaly"], f"{path}.on_anomaly",
+                                                  "actions")
+                       if self._action(a, n, f"{path}.on_anomaly")]
+            if len(set(actions)) < len(actions):
+                self.problem(fields["on_anomaly"], f"{path}.on_anomaly",
+                             "an action is given twice")
+            values["on_anomaly"] = tuple(dict.fromkeys(actions))
+        try:
+            return (msgspec.convert({k: v for k, v in values.items() if v is not None},
+                                    MonitorSpec),)
+        except msgspec.ValidationError as exc:  # every value was checked above
+            self.problem(node, path, str(exc))
+            return ()
+
+    def _action(self, action: str, node: yaml.Node, path: str) -> AnomalyAction | None:
+        found = next((a for a in ANOMALY_ACTIONS if a == action), None)
+        if found is None:
+            self.problem(node, path, f"unknown action {action[:100]!r}",
+                         f"one or more of {', '.join(ANOMALY_ACTIONS)}")
+        return found
 
     def _backoff(self, node: yaml.Node, path: str) -> dict[str, float]:
         fields = self.mapping(node, path, BACKOFF_KEYS, "a backoff")

@@ -398,7 +398,7 @@ def _step(draft: _Draft, kind: tuple[StepType, Resources], scope: Scope, doc: Ra
         retry=raw.retry, timeout_s=raw.timeout_s,
         env=env, secret_env=tuple(sorted(secret)), secret_set=secret_set, workdir=workdir,
         group=raw.name if raw.matrix else "", matrix=draft.matrix,
-        checkpoint_signal=raw.checkpoint_signal)
+        checkpoint_signal=raw.checkpoint_signal, monitor=raw.monitor)
 
 
 def _environment(raw: RawStep, scope: Scope, problems: list[Problem]

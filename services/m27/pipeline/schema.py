@@ -24,7 +24,15 @@ from typing import Any, Final
 
 from m27.common.errors import M27Error
 from m27.common.ids import NAME_PATTERN
-from m27.common.model import STEP_TYPES, URGENCIES
+from m27.common.metric_points import METRIC_NAME_RE
+from m27.common.model import (
+    ANOMALY_ACTIONS,
+    CHECKPOINT_SIGNALS,
+    MONITOR_MODES,
+    STEP_TYPES,
+    URGENCIES,
+    MonitorSpec,
+)
 from m27.pipeline import _document
 
 JSON = dict[str, Any]
@@ -166,6 +174,7 @@ def _defs() -> JSON:
         "env": _env_def(),
         "secrets": _env_def(secret=True),
         "matrix": _matrix_def(),
+        "monitor": _monitor_def(),
     }
 
 
@@ -281,7 +290,10 @@ def _step_runtime() -> dict[str, JSON]:
                                              "now: on request and every `checkpoint` "
                                              "interval. Default SIGUSR1; `none` for a "
                                              "program that checkpoints on its own.",
-                              "type": "string", "enum": list(_document.CHECKPOINT_SIGNALS)},
+                              "type": "string", "enum": list(CHECKPOINT_SIGNALS)},
+        "monitor": _ref("monitor", "The training monitor: metrics the step logs that the "
+                        "node-agent watches for NaN, spikes, divergence and plateaus, and "
+                        "what it does on one (docs/training.md, \"Training monitor\")."),
     }
 
 
@@ -393,6 +405,50 @@ def _env_def(*, secret: bool = False) -> JSON:
                                          f"digit; not {reserved} (set by m27).",
                           "pattern": IDENTIFIER_RE, "not": {"pattern": RESERVED_ENV_RE}},
         "additionalProperties": value,
+    }
+
+
+def _monitor_def() -> JSON:
+    defaults = MonitorSpec()
+    count = {"type": "integer", "minimum": 0, "maximum": 100_000}
+    entries: dict[str, JSON] = {
+        "metric": {"description": f"The metric's name as the step logs it. Default: "
+                                  f"{defaults.metric}.", "type": "string",
+                   "pattern": f"^{METRIC_NAME_RE.pattern}$"},
+        "mode": {"description": "min: lower is better (a loss; default); max: higher is "
+                                "better (an accuracy).", "type": "string",
+                 "enum": list(MONITOR_MODES)},
+        "window": {**count, "minimum": 2, "description": f"Values the spike baseline (a "
+                   f"rolling median) is taken over. Default: {defaults.window}."},
+        "warmup": {**count, "minimum": 1, "description": f"Values seen before a spike can "
+                   f"be called. Default: {defaults.warmup}."},
+        "spike": {"type": "number", "minimum": 0, "maximum": 1000,
+                  "description": f"A spike is a value worse than the median by more than "
+                                 f"this many robust standard deviations (1.4826 x MAD); 0: "
+                                 f"off. Default: {defaults.spike:g}."},
+        "divergence": {**count, "description": f"Worse than the value before this many "
+                       f"times in a row; 0: off. Default: {defaults.divergence}."},
+        "plateau": {**count, "description": "Values in a row without a new best; 0: off "
+                    "(default)."},
+        "min_delta": {"type": "number", "minimum": 0, "maximum": 1,
+                      "description": "The relative improvement that counts as a new best "
+                                     "(plateau). Default: 0."},
+        "on_anomaly": {"description": "What happens on an anomaly, besides the "
+                                      "`training_anomaly` event: checkpoint (at once), "
+                                      "notify, stop (the attempt fails). Default: "
+                                      "[checkpoint, notify].",
+                       "anyOf": [{"type": "string", "enum": list(ANOMALY_ACTIONS)},
+                                 {"type": "array", "uniqueItems": True,
+                                  "items": {"type": "string", "enum": list(ANOMALY_ACTIONS)}}]},
+    }
+    one = {"type": "object", "additionalProperties": False,
+           "description": "One monitored metric and its limits.",
+           "properties": _properties(entries, _document.MONITOR_KEYS, "monitor")}
+    return {
+        "description": "true (watch `loss` with the defaults), one metric's settings, or a "
+                       f"list of them (at most {_document.MAX_MONITORS}, each metric once).",
+        "anyOf": [{"type": "boolean"}, one,
+                  {"type": "array", "items": one, "maxItems": _document.MAX_MONITORS}],
     }
 
 

@@ -111,7 +111,7 @@ class Effects:
             gpu_ids=placement.gpu_ids, gpu_share=share,
             gpu_memory_mb=task.resources.gpu_memory_mb,
             checkpoint_interval_s=task.checkpoint_interval_s, timeout_s=task.timeout_s,
-            outputs=task.outputs, checkpoint_signal=task.checkpoint_signal,
+            outputs=task.outputs, checkpoint_signal=task.checkpoint_signal, monitor=task.monitor,
             cpus=task.resources.cpus, memory_mb=task.resources.memory_mb)
         key = f"{task.task_id}:{task.attempt}"
         await self.bus.publish(subjects.node_commands(placement.node_id), start,

@@ -18,6 +18,7 @@ the node-agent sets; on a laptop it writes to ./checkpoints (or the `store` give
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import signal as signals
@@ -421,6 +422,9 @@ class Checkpointer:
             return False
         self._old_handler = signals.signal(number, self._on_signal)
         self._signal = number
+        # Python puts back the default action (death) while it shuts down; a request that
+        # comes then must not turn a finished step into one killed by a signal.
+        atexit.register(signals.signal, number, signals.SIG_IGN)
         return True
 
     def _on_signal(self, number: int, frame: FrameType | None) -> None:

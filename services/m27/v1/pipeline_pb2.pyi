@@ -918,7 +918,7 @@ class Attempt(_message.Message):
     exit_code: _builtins.int
     cause: _builtins.str
     """exit, not_started, timeout, stopped, superseded, over_share, node_stopped,
-    agent_restarted, lost, preempted, fenced
+    agent_restarted, lost, preempted, fenced, anomaly (the training monitor stopped it)
     """
     reason: _builtins.str
     def __init__(

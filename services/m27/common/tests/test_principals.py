@@ -190,6 +190,12 @@ def test_a_node_report_must_come_from_the_node_the_attempt_runs_on() -> None:
                                            checkpoint_id="c")
     assert sender_problem(on("r-1", "train", "checkpoint-store"), committed, None) is None
     assert sender_problem(on("r-1", "train", "node-gpu-1"), committed, None)
+    anomaly = events.TrainingAnomaly(at=1.0, task_id="r-1/train", run_id="r-1", step="train",
+                                     attempt=2, node_id="gpu-1", kind="nan", metric="loss",
+                                     train_step=7, value="NaN")
+    assert sender_problem(on("r-1", "train", "node-gpu-1"), anomaly, fence) is None
+    assert sender_problem(on("r-1", "train", "node-gpu-2"), anomaly, fence)
+    assert sender_problem(on("r-1", "train", "scheduler"), anomaly, fence)
 
 
 def test_metric_points_must_come_from_the_node_they_name() -> None:

@@ -21,6 +21,7 @@ from m27.node_agent._tasks import (
     invalid_ids,
     passed_env,
     placement_problem,
+    shell_command,
     stop_note,
     task_env,
     task_paths,
@@ -233,3 +234,15 @@ def test_a_step_gets_its_own_api_token_never_the_agents() -> None:
     assert (who.role, who.task_id, who.attempt) == ("step", cmd.task_id, cmd.attempt)
     assert env["M27_API_TLS_CA"] == "/etc/m27/ca.pem"
     assert "M27_API_KEY_FILE" not in env
+
+
+@pytest.mark.parametrize(("signal_name", "expected"), [
+    ("SIGUSR1", "trap : USR1; python train.py"),
+    ("SIGHUP", "trap : HUP; python train.py"),
+    ("none", "python train.py"),  # never signalled: nothing to live through
+    ("SIGKILL", "python train.py"),  # not a checkpoint signal the language allows
+])
+def test_the_shell_lives_through_the_checkpoint_signal(signal_name: str,
+                                                       expected: str) -> None:
+    assert shell_command(start(command="python train.py",
+                               checkpoint_signal=signal_name)) == expected

@@ -7,7 +7,7 @@ import shlex
 
 import pytest
 
-from m27.common.model import RetryPolicy
+from m27.common.model import MonitorSpec, RetryPolicy
 from m27.pipeline import PipelineError, load_pipeline
 
 
@@ -333,3 +333,40 @@ def test_an_error_message_stays_short_however_many_problems_there_are() -> None:
     assert "2000 problems" in message
     assert message.endswith("… and 1950 more")
     assert len(message) < 60 * 520
+
+
+def test_a_monitor_is_read_into_every_member_of_a_sweep_with_defaults_filled_in() -> None:
+    spec = load_pipeline(
+        "pipeline:\n"
+        "  - name: train\n"
+        "    command: python train.py --lr {{matrix.lr}}\n"
+        "    matrix: {lr: [0.1, 0.01]}\n"
+        "    monitor:\n"
+        "      - {metric: loss, spike: 4, on_anomaly: [checkpoint, stop]}\n"
+        "      - {metric: val/acc, mode: max, plateau: 30, on_anomaly: notify}\n"
+        "  - {name: plain, command: x, monitor: true}\n"
+        "  - {name: none, command: x}\n", source="p.yaml")
+    by_name = {s.name: s for s in spec.steps}
+    for member in ("train-lr0_1", "train-lr0_01"):
+        loss, acc = by_name[member].monitor
+        assert (loss.metric, loss.spike, loss.on_anomaly) == ("loss", 4.0, ("checkpoint", "stop"))
+        assert loss.window == MonitorSpec().window  # unset: the default
+        assert (acc.metric, acc.mode, acc.plateau, acc.on_anomaly) == (
+            "val/acc", "max", 30, ("notify",))
+    assert by_name["plain"].monitor == (MonitorSpec(),)
+    assert by_name["none"].monitor == ()
+
+
+@pytest.mark.parametrize(("monitor", "expected"), [
+    ("{metric: loss, mode: up}", "p.yaml:2:57: pipeline[0].monitor.mode: unknown mode 'up'"),
+    ("{spike: -1}", "pipeline[0].monitor.spike"),
+    ("{on_anomaly: [checkpoint, reboot]}", "unknown action 'reboot'"),
+    ("[{metric: loss}, {metric: loss, spike: 3}]", "the metric 'loss' is monitored twice"),
+    ("{metric: 'bad name'}", "invalid metric name 'bad name'"),
+    ("{threshold: 3}", "pipeline[0].monitor.threshold: unknown key `threshold`"),
+    ("[{metric: a}, 7]", "pipeline[0].monitor[1]: expected a monitored metric"),
+    ("loss", "pipeline[0].monitor: expected true or false"),
+])
+def test_a_bad_monitor_says_what_and_where(monitor: str, expected: str) -> None:
+    one(problems_of(f"pipeline:\n  - {{name: a, command: x, monitor: {monitor}}}\n"),
+        expected)

@@ -57,6 +57,10 @@ pipeline:
     matrix: {temperature: [300, 310], seed: [1, 2]}
     max_parallel: 2
     checkpoint_signal: SIGUSR2
+    monitor:
+      - {metric: loss, window: 50, warmup: 10, spike: 6, divergence: 10,
+         on_anomaly: [checkpoint, notify]}
+      - {metric: val/acc, mode: max, plateau: 20, min_delta: 0.001, on_anomaly: notify}
   - name: analysis
     type: gpu_light
     depends_on: md
@@ -257,6 +261,18 @@ AGREEMENT = [
     ("workdir: sub", True), ("workdir: ''", True), ("workdir: ~", False),
     ("command: true", True), ("command: 42", True), ("command: ~", False),
     ("name: 2020", True), ("name: yes", True), ("name: a_b-C9", True),
+    ("monitor: true", True), ("monitor: false", True), ("monitor: []", True),
+    ("monitor: {metric: loss}", True), ("monitor: {metric: val/acc, mode: max}", True),
+    ("monitor: {mode: up}", False), ("monitor: {metric: 'a b'}", False),
+    ("monitor: {metric: 1x}", False), ("monitor: {spike: -1}", False),
+    ("monitor: {spike: 0}", True), ("monitor: {window: 1}", False),
+    ("monitor: {divergence: 2.5}", False), ("monitor: {plateau: 100001}", False),
+    ("monitor: {min_delta: 2}", False), ("monitor: {on_anomaly: [checkpoint, stop]}", True),
+    ("monitor: {on_anomaly: stop}", True), ("monitor: {on_anomaly: []}", True),
+    ("monitor: {on_anomaly: reboot}", False),
+    ("monitor: {on_anomaly: [stop, stop]}", False),
+    ("monitor: [{metric: a}, {metric: b, spike: 3}]", True), ("monitor: [true]", False),
+    ("monitor: {threshold: 3}", False), ("monitor: 3", False), ("monitor: loss", False),
 ]
 
 
