@@ -183,7 +183,7 @@ def seal(manifest: Manifest, *, checkpoint_id: str, now: float, seq: int,
     sizes = stored_sizes(manifest)
     fields = msgspec.structs.asdict(manifest)
     fields.update(
-        checkpoint_id=checkpoint_id, created_at=now, seq=seq,
+        checkpoint_id=checkpoint_id, created_at=now, seq=seq, protected="",
         size_bytes=sum(entry.size for entry in manifest.entries),
         new_bytes=sum(size for chunk, size in sizes.items() if chunk not in before),
         full=all(ref.base is None for entry in manifest.entries for ref in entry.chunks))

@@ -1,7 +1,8 @@
 """Which checkpoints to keep, and which chunks garbage collection may remove (pure).
 
 Retention works on manifests only: after each Commit a task keeps its last `keep_last`
-checkpoints and every `keep_every`-th one (by `seq`, its place in commit order). Deleting a
+checkpoints, every `keep_every`-th one (by `seq`, its place in commit order) and every
+protected one (the last before a training anomaly, `choose_protected`). Deleting a
 manifest never breaks a kept delta checkpoint: a delta's refs name the chunks of its base
 (`checkpoint_format.chunk_ids` includes them), and chunks are what garbage collection
 decides about — a chunk is removed only when no manifest at all references it and it is
@@ -45,7 +46,9 @@ def choose_retained(checkpoints: Sequence[CheckpointSummary],
     newest = len(ordered) - policy.keep_last
     for index, summary in enumerate(ordered):
         checkpoint_id = summary.checkpoint_id
-        if policy.keep_last == 0:
+        if summary.protected:
+            reasons[checkpoint_id] = f"protected: {summary.protected}"
+        elif policy.keep_last == 0:
             reasons[checkpoint_id] = "keep_last = 0: every checkpoint is kept"
         elif index >= newest:
             reasons[checkpoint_id] = f"one of the last {policy.keep_last}"
@@ -57,6 +60,20 @@ def choose_retained(checkpoints: Sequence[CheckpointSummary],
             continue
         keep.append(checkpoint_id)
     return RetentionDecision(keep=tuple(keep), delete=tuple(delete), reasons=reasons)
+
+
+def choose_protected(checkpoints: Sequence[CheckpointSummary], before_step: int | None,
+                     before: float) -> CheckpointSummary | None:
+    """The checkpoint a training anomaly protects: the task's newest one taken after a
+    training step before `before_step`; for checkpoints that name no step (or no
+    `before_step`), the newest committed before `before` (a time). None: there is none."""
+    def earlier(summary: CheckpointSummary) -> bool:
+        if before_step is not None and summary.step is not None:
+            return summary.step < before_step
+        return summary.created_at < before
+
+    found = [c for c in checkpoints if earlier(c)]
+    return max(found, key=lambda c: c.checkpoint_id, default=None)
 
 
 class ChunkFile(msgspec.Struct, frozen=True):

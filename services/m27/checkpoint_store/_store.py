@@ -42,6 +42,7 @@ from m27.checkpoint_store._manifests import decode_manifest, seal, stored_sizes
 from m27.checkpoint_store._retention import (
     DEFAULT_GRACE_S,
     RetentionPolicy,
+    choose_protected,
     choose_retained,
     mark,
     sweep,
@@ -68,6 +69,8 @@ MAX_IDS_PER_REQUEST: Final = 65536
 WRITES_IN_FLIGHT: Final = 4
 READS_AHEAD: Final = 2
 SHOWN_IDS: Final = 5
+#: A protection's reason is kept to this many characters (one line).
+MAX_REASON: Final = 500
 
 OnCorrupt = Callable[[events.CheckpointCorrupt], Awaitable[None]]
 OnCommit = Callable[[events.CheckpointCommitted], Awaitable[None]]
@@ -337,6 +340,23 @@ class CheckpointStore:
             pattern = run_pattern(parse_run_id(run_id))
         found = await self._index.list(pattern)
         return [summarize(m) for m in sorted(found, key=lambda m: (m.task_id, m.checkpoint_id))]
+
+    async def protect(self, task_id: str, attempt: int, before_step: int | None,
+                      before: float, reason: str) -> str:
+        """Keep the task's last checkpoint from before a training anomaly out of retention
+        (`choose_protected`); its id, or "" when there is none. Fenced like a commit."""
+        run_id, step = parse_task_id(task_id)
+        await self._fence(task_id, _check_attempt(attempt))
+        reason = " ".join(reason.split())[:MAX_REASON] or "protected"
+        async with self._lock(task_id):
+            existing = await self._index.list(task_pattern(run_id, step))
+            chosen = choose_protected([summarize(m) for m in existing], before_step, before)
+            if chosen is None:
+                return ""
+            manifest = next(m for m in existing if m.checkpoint_id == chosen.checkpoint_id)
+            if not manifest.protected:  # the first anomaly's reason stays
+                await self._index.put(msgspec.structs.replace(manifest, protected=reason))
+        return chosen.checkpoint_id
 
     async def delete(self, task_id: str, checkpoint_id: str) -> bool:
         """Forget one checkpoint (its chunks go at the next GC); False if there was none."""

@@ -87,7 +87,7 @@ def _json(value: msgspec.Struct) -> str:
 
 
 class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
-    """The seven RPCs; each puts its task_id on the log lines it writes."""
+    """The eight RPCs; each puts its task_id on the log lines it writes."""
 
     def __init__(self, store: CheckpointStore) -> None:
         self._store = store
@@ -172,6 +172,21 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
             log.info("checkpoint.deleted", checkpoint_id=request.checkpoint_id,
                      existed=deleted)
         return pb.DeleteResponse(deleted=deleted)
+
+
+    async def Protect(self, request: pb.ProtectRequest, context: Context) -> pb.ProtectResponse:
+        await _require_scope(context, request.task_id, request.attempt)
+        with bound_contextvars(task_id=logged(request.task_id)):
+            try:
+                checkpoint_id = await self._store.protect(
+                    request.task_id, request.attempt,
+                    request.before_step if request.HasField("before_step") else None,
+                    request.before, request.reason)
+            except Exception as exc:
+                await _fail(context, exc, "Protect")
+            log.info("checkpoint.protected", checkpoint_id=checkpoint_id or None,
+                     attempt=request.attempt, reason=logged(request.reason))
+        return pb.ProtectResponse(checkpoint_id=checkpoint_id)
 
 
 def register(servicer: CheckpointServicer) -> Register:

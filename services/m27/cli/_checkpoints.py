@@ -109,8 +109,14 @@ def render_list(summaries: Sequence[CheckpointSummary], now: float) -> list[str]
         format_size(s.size_bytes), format_size(s.new_bytes), "full" if s.full else "delta",
         format_duration(max(0.0, now - s.created_at))) for s in summaries]
     widths = [max(len(row[i]) for row in rows) for i in range(len(HEADER))]
-    return ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
-            for row in rows]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
+             for row in rows]
+    # a protected one is marked on its line and says why below the table
+    for index, summary in enumerate(summaries, start=1):
+        if summary.protected:
+            lines[index] += "  [protected]"
+    lines += [f"[protected] {s.checkpoint_id}: {s.protected}" for s in summaries if s.protected]
+    return lines
 
 
 def target_name(entry: Entry) -> str:

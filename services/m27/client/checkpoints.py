@@ -219,6 +219,16 @@ class RemoteStore:
                 manifest_json=manifest_json(manifest)), timeout=self._timeout)
         return manifest_from_json(reply.manifest_json)
 
+    def protect(self, before_step: int | None, before: float, reason: str) -> str:
+        """Keep this task's last checkpoint from before `before_step` (or, for checkpoints
+        without a step, `before`, a time) out of retention; its id, or "" for none."""
+        request = pb.ProtectRequest(task_id=self._task(), attempt=self.attempt,
+                                    before=before, reason=reason)
+        if before_step is not None:
+            request.before_step = before_step
+        with _errors():
+            return str(self._stub.Protect(request, timeout=self._timeout).checkpoint_id)
+
     def latest(self, task_id: str) -> Manifest | None:
         try:
             return self.get_manifest(task_id)

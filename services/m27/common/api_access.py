@@ -50,7 +50,7 @@ METHOD_ROLES: Final[dict[str, frozenset[ApiRole]]] = {
     **_service("CheckpointService", {
         "MissingChunks": _CHECKPOINT_WRITERS, "PutChunks": _CHECKPOINT_WRITERS,
         "Commit": _CHECKPOINT_WRITERS, "GetManifest": _ANYONE, "GetChunks": _ANYONE,
-        "List": _ANYONE, "Delete": _ADMIN}),
+        "List": _ANYONE, "Delete": _ADMIN, "Protect": _CHECKPOINT_WRITERS}),
     "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo": _ANYONE,
     "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo": _ANYONE,
 }

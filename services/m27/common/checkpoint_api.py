@@ -132,6 +132,7 @@ class CheckpointSummary(msgspec.Struct, frozen=True, kw_only=True):
     entries: int
     seq: int = 0
     metadata: dict[str, str] = msgspec.field(default_factory=dict)
+    protected: str = ""  # why retention keeps it whatever else it says ("" none)
 
 
 def summarize(manifest: Manifest) -> CheckpointSummary:
@@ -140,7 +141,7 @@ def summarize(manifest: Manifest) -> CheckpointSummary:
         attempt=manifest.attempt, name=manifest.name, step=manifest.step,
         epoch=manifest.epoch, created_at=manifest.created_at, size_bytes=manifest.size_bytes,
         new_bytes=manifest.new_bytes, full=manifest.full, entries=len(manifest.entries),
-        seq=manifest.seq, metadata=dict(manifest.metadata))
+        seq=manifest.seq, metadata=dict(manifest.metadata), protected=manifest.protected)
 
 
 
@@ -163,7 +164,7 @@ def summary_to_proto(summary: CheckpointSummary) -> pb.CheckpointSummary:
         task_id=summary.task_id, checkpoint_id=summary.checkpoint_id, attempt=summary.attempt,
         name=summary.name, created_at=summary.created_at, size_bytes=summary.size_bytes,
         new_bytes=summary.new_bytes, full=summary.full, entries=summary.entries,
-        seq=summary.seq, metadata=summary.metadata)
+        seq=summary.seq, metadata=summary.metadata, protected=summary.protected)
     if summary.step is not None:
         message.step = summary.step
     if summary.epoch is not None:
@@ -179,7 +180,7 @@ def summary_from_proto(message: pb.CheckpointSummary) -> CheckpointSummary:
         epoch=message.epoch if message.HasField("epoch") else None,
         created_at=message.created_at, size_bytes=message.size_bytes,
         new_bytes=message.new_bytes, full=message.full, entries=message.entries,
-        seq=message.seq, metadata=dict(message.metadata))
+        seq=message.seq, metadata=dict(message.metadata), protected=message.protected)
 
 
 def manifest_json(manifest: Manifest) -> str:

@@ -73,6 +73,9 @@ class Manifest(msgspec.Struct, frozen=True, kw_only=True):
     size_bytes: int = 0  # decoded size of all entries
     new_bytes: int = 0  # bytes of chunks this checkpoint added to the store
     seq: int = 0  # 1, 2, 3, … per task in commit order (set by the store)
+    #: Why retention keeps it whatever else it says (set by the store's Protect: the last
+    #: checkpoint before a training anomaly); "" for none.
+    protected: str = ""
 
     def entry(self, name: str) -> Entry | None:
         return next((e for e in self.entries if e.name == name), None)

@@ -31,6 +31,7 @@ CHECKPOINT_STORE_SERVICE: Final = "checkpoint-store"
 #: the agent gives up on them (the exit must be reported).
 FILES_RESTORE_TIMEOUT_S: Final = 600.0
 FILES_FINAL_UPLOAD_TIMEOUT_S: Final = 120.0
+PROTECT_TIMEOUT_S: Final = 30.0
 
 
 def remote_stores(access: ApiAccess | None = None) -> Callable[[str, str, int], CheckpointSink]:
@@ -99,6 +100,31 @@ class FileSync:
             log.info("task.checkpoint_files_restored", checkpoint_id=restored.checkpoint_id,
                      files=len(restored.entries), bytes=restored.size_bytes,
                      from_attempt=restored.attempt)
+
+    async def protect(self, cmd: StartTask, store: str | None, before_step: int,
+                      before: float, reason: str) -> None:
+        """Keep the step's last checkpoint from before a training anomaly out of
+        retention (the store's Protect). Logged, never fatal: the anomaly's own checkpoint
+        request goes ahead whatever happens here."""
+        if not store:
+            log.warning("task.checkpoint_not_protected", why="no checkpoint-store")
+            return
+        sink = self._settings.open_store(store, cmd.task_id, cmd.attempt)
+        protect = getattr(sink, "protect", None)
+        if protect is None:  # a sink without the RPC (tests' local stores)
+            return
+        try:
+            checkpoint_id = await asyncio.wait_for(
+                asyncio.to_thread(protect, before_step, before, reason), PROTECT_TIMEOUT_S)
+        except Exception as exc:
+            log.warning("task.checkpoint_not_protected", error=str(exc) or type(exc).__name__)
+            return
+        finally:
+            close = getattr(sink, "close", None)
+            if close is not None:
+                close()
+        log.info("task.checkpoint_protected", checkpoint_id=checkpoint_id or None,
+                 why="none before the anomaly" if not checkpoint_id else reason)
 
     async def upload(self, cmd: StartTask, checkpoint_dir: Path, store: str | None,
                      why: str) -> None:

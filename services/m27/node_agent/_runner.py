@@ -159,6 +159,7 @@ class TaskRunner:
         self._environ = dict(environ)
         self._clock = clock
         self._tasks: dict[TaskKey, RunningTask] = {}
+        self._protecting: set[asyncio.Task[None]] = set()
         self._ledger = Ledger(node.home, node.node_id)
         self.accepting = True
 
@@ -518,6 +519,13 @@ class TaskRunner:
             note = f"training anomaly: {anomaly.detail}"
             if "checkpoint" in anomaly.actions:
                 self.request_checkpoint(task.cmd.task_id, task.cmd.attempt, note)
+                point_at = next((p.at for p in points if p.step == anomaly.train_step),
+                                anomaly.at)
+                # not one of the task's escalations: it must finish if the task ends now
+                protecting = asyncio.create_task(self._files.protect(
+                    task.cmd, task.checkpoint_store, anomaly.train_step, point_at, note))
+                self._protecting.add(protecting)
+                protecting.add_done_callback(self._protecting.discard)
             if "stop" in anomaly.actions and task.alive and task.stop is None:
                 self._terminate(task, StopRequest("anomaly", note), self._stop_grace_s)
 

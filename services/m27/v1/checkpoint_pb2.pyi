@@ -358,6 +358,7 @@ class CheckpointSummary(_message.Message):
     ENTRIES_FIELD_NUMBER: _builtins.int
     SEQ_FIELD_NUMBER: _builtins.int
     METADATA_FIELD_NUMBER: _builtins.int
+    PROTECTED_FIELD_NUMBER: _builtins.int
     task_id: _builtins.str
     checkpoint_id: _builtins.str
     attempt: _builtins.int
@@ -375,6 +376,8 @@ class CheckpointSummary(_message.Message):
     entries: _builtins.int
     seq: _builtins.int
     """1, 2, 3, … per task in commit order (retention's "every Mth")"""
+    protected: _builtins.str
+    """why retention keeps it whatever else it says ("" none)"""
     @_builtins.property
     def metadata(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]: ...
     def __init__(
@@ -393,10 +396,11 @@ class CheckpointSummary(_message.Message):
         entries: _builtins.int = ...,
         seq: _builtins.int = ...,
         metadata: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        protected: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_epoch", b"_epoch", "_step", b"_step", "epoch", b"epoch", "step", b"step"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_epoch", b"_epoch", "_step", b"_step", "attempt", b"attempt", "checkpoint_id", b"checkpoint_id", "created_at", b"created_at", "entries", b"entries", "epoch", b"epoch", "full", b"full", "metadata", b"metadata", "name", b"name", "new_bytes", b"new_bytes", "seq", b"seq", "size_bytes", b"size_bytes", "step", b"step", "task_id", b"task_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_epoch", b"_epoch", "_step", b"_step", "attempt", b"attempt", "checkpoint_id", b"checkpoint_id", "created_at", b"created_at", "entries", b"entries", "epoch", b"epoch", "full", b"full", "metadata", b"metadata", "name", b"name", "new_bytes", b"new_bytes", "protected", b"protected", "seq", b"seq", "size_bytes", b"size_bytes", "step", b"step", "task_id", b"task_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__epoch: _TypeAlias = _typing.Literal["epoch"]  # noqa: Y015
     _WhichOneofArgType__epoch: _TypeAlias = _typing.Literal["_epoch", b"_epoch"]  # noqa: Y015
@@ -469,3 +473,58 @@ class DeleteResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___DeleteResponse: _TypeAlias = DeleteResponse  # noqa: Y015
+
+@_typing.final
+class ProtectRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TASK_ID_FIELD_NUMBER: _builtins.int
+    ATTEMPT_FIELD_NUMBER: _builtins.int
+    BEFORE_STEP_FIELD_NUMBER: _builtins.int
+    BEFORE_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    task_id: _builtins.str
+    attempt: _builtins.int
+    before_step: _builtins.int
+    """the checkpoint was taken after an earlier step"""
+    before: _builtins.float
+    """else (no steps): it was committed before this time"""
+    reason: _builtins.str
+    def __init__(
+        self,
+        *,
+        task_id: _builtins.str = ...,
+        attempt: _builtins.int = ...,
+        before_step: _builtins.int | None = ...,
+        before: _builtins.float = ...,
+        reason: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_before_step", b"_before_step", "before_step", b"before_step"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_before_step", b"_before_step", "attempt", b"attempt", "before", b"before", "before_step", b"before_step", "reason", b"reason", "task_id", b"task_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__before_step: _TypeAlias = _typing.Literal["before_step"]  # noqa: Y015
+    _WhichOneofArgType__before_step: _TypeAlias = _typing.Literal["_before_step", b"_before_step"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__before_step) -> _WhichOneofReturnType__before_step | None: ...
+
+Global___ProtectRequest: _TypeAlias = ProtectRequest  # noqa: Y015
+
+@_typing.final
+class ProtectResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CHECKPOINT_ID_FIELD_NUMBER: _builtins.int
+    checkpoint_id: _builtins.str
+    """"" when the task has no checkpoint from before"""
+    def __init__(
+        self,
+        *,
+        checkpoint_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint_id", b"checkpoint_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ProtectResponse: _TypeAlias = ProtectResponse  # noqa: Y015

@@ -69,6 +69,11 @@ class CheckpointServiceStub:
                 request_serializer=m27_dot_v1_dot_checkpoint__pb2.DeleteRequest.SerializeToString,
                 response_deserializer=m27_dot_v1_dot_checkpoint__pb2.DeleteResponse.FromString,
                 _registered_method=True)
+        self.Protect = channel.unary_unary(
+                '/m27.v1.CheckpointService/Protect',
+                request_serializer=m27_dot_v1_dot_checkpoint__pb2.ProtectRequest.SerializeToString,
+                response_deserializer=m27_dot_v1_dot_checkpoint__pb2.ProtectResponse.FromString,
+                _registered_method=True)
 
 
 class CheckpointServiceServicer:
@@ -128,6 +133,15 @@ class CheckpointServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Protect(self, request, context):
+        """Keep the task's last checkpoint from before a training step (or, for checkpoints
+        without a step, a time) out of retention, with a reason: the one a user resumes from
+        after a training anomaly. Fenced like Commit.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CheckpointServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -165,6 +179,11 @@ def add_CheckpointServiceServicer_to_server(servicer, server):
                     servicer.Delete,
                     request_deserializer=m27_dot_v1_dot_checkpoint__pb2.DeleteRequest.FromString,
                     response_serializer=m27_dot_v1_dot_checkpoint__pb2.DeleteResponse.SerializeToString,
+            ),
+            'Protect': grpc.unary_unary_rpc_method_handler(
+                    servicer.Protect,
+                    request_deserializer=m27_dot_v1_dot_checkpoint__pb2.ProtectRequest.FromString,
+                    response_serializer=m27_dot_v1_dot_checkpoint__pb2.ProtectResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -356,6 +375,33 @@ class CheckpointService:
             '/m27.v1.CheckpointService/Delete',
             m27_dot_v1_dot_checkpoint__pb2.DeleteRequest.SerializeToString,
             m27_dot_v1_dot_checkpoint__pb2.DeleteResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Protect(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/m27.v1.CheckpointService/Protect',
+            m27_dot_v1_dot_checkpoint__pb2.ProtectRequest.SerializeToString,
+            m27_dot_v1_dot_checkpoint__pb2.ProtectResponse.FromString,
             options,
             channel_credentials,
             insecure,

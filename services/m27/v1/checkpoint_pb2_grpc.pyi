@@ -70,6 +70,11 @@ class CheckpointServiceStub:
     """A task's (or a whole run's) checkpoints, oldest first."""
     Delete: _grpc.UnaryUnaryMultiCallable[_checkpoint_pb2.DeleteRequest, _checkpoint_pb2.DeleteResponse]
     """Forget one checkpoint; its chunks go at the next garbage collection."""
+    Protect: _grpc.UnaryUnaryMultiCallable[_checkpoint_pb2.ProtectRequest, _checkpoint_pb2.ProtectResponse]
+    """Keep the task's last checkpoint from before a training step (or, for checkpoints
+    without a step, a time) out of retention, with a reason: the one a user resumes from
+    after a training anomaly. Fenced like Commit.
+    """
 
 @_typing.type_check_only
 class CheckpointServiceAsyncStub(CheckpointServiceStub):
@@ -97,6 +102,11 @@ class CheckpointServiceAsyncStub(CheckpointServiceStub):
     """A task's (or a whole run's) checkpoints, oldest first."""
     Delete: _aio.UnaryUnaryMultiCallable[_checkpoint_pb2.DeleteRequest, _checkpoint_pb2.DeleteResponse]  # type: ignore[assignment]
     """Forget one checkpoint; its chunks go at the next garbage collection."""
+    Protect: _aio.UnaryUnaryMultiCallable[_checkpoint_pb2.ProtectRequest, _checkpoint_pb2.ProtectResponse]  # type: ignore[assignment]
+    """Keep the task's last checkpoint from before a training step (or, for checkpoints
+    without a step, a time) out of retention, with a reason: the one a user resumes from
+    after a training anomaly. Fenced like Commit.
+    """
 
 class CheckpointServiceServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -163,5 +173,16 @@ class CheckpointServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_checkpoint_pb2.DeleteResponse, _abc.Awaitable[_checkpoint_pb2.DeleteResponse]]:
         """Forget one checkpoint; its chunks go at the next garbage collection."""
+
+    @_abc_1.abstractmethod
+    def Protect(
+        self,
+        request: _checkpoint_pb2.ProtectRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_checkpoint_pb2.ProtectResponse, _abc.Awaitable[_checkpoint_pb2.ProtectResponse]]:
+        """Keep the task's last checkpoint from before a training step (or, for checkpoints
+        without a step, a time) out of retention, with a reason: the one a user resumes from
+        after a training anomaly. Fenced like Commit.
+        """
 
 def add_CheckpointServiceServicer_to_server(servicer: CheckpointServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

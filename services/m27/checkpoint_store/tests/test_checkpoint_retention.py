@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from m27.checkpoint_store._retention import (
     ChunkFile,
     RetentionPolicy,
+    choose_protected,
     choose_retained,
     mark,
     sweep,
@@ -20,10 +21,11 @@ from m27.common.checkpoint_format import Manifest, chunk_ids, plan_entry
 TASK = "r-20240101-120000-abc123/train"
 
 
-def summary(seq: int) -> CheckpointSummary:
+def summary(seq: int, *, step: int | None = None, protected: str = "") -> CheckpointSummary:
     return CheckpointSummary(task_id=TASK, checkpoint_id=f"c-{seq:013d}-aaaaaa", attempt=0,
-                             name="", step=None, epoch=None, created_at=float(seq),
-                             size_bytes=0, new_bytes=0, full=True, entries=0, seq=seq)
+                             name="", step=step, epoch=None, created_at=float(seq),
+                             size_bytes=0, new_bytes=0, full=True, entries=0, seq=seq,
+                             protected=protected)
 
 
 def kept(n: int, keep_last: int, keep_every: int) -> list[int]:
@@ -138,3 +140,32 @@ def test_sweep_never_deletes_a_referenced_or_young_chunk(
         if chunk.id in decision.delete:
             assert chunk.id not in refs
             assert chunk.mtime < 1000.0 - grace
+
+
+@given(st.integers(0, 30), st.integers(0, 5), st.integers(0, 4),
+       st.sets(st.integers(1, 30), max_size=5))
+def test_a_protected_checkpoint_is_never_deleted(n: int, keep_last: int, keep_every: int,
+                                                  protected: set[int]) -> None:
+    summaries = [summary(s, protected="anomaly" if s in protected else "")
+                 for s in range(1, n + 1)]
+    decision = choose_retained(summaries, RetentionPolicy(keep_last=keep_last,
+                                                          keep_every=keep_every))
+    for s in summaries:
+        if s.protected:
+            assert s.checkpoint_id in decision.keep
+            assert decision.reasons[s.checkpoint_id] == "protected: anomaly"
+
+
+@pytest.mark.parametrize(("steps", "before_step", "before", "expected"), [
+    ([100, 200, 300], 250, 0.0, 2),  # the newest taken before step 250
+    ([100, 200, 300], 200, 0.0, 1),  # one taken after step 200 is not from before it
+    ([100, 200, 300], 50, 99.0, None),  # none before; the time is not looked at
+    ([None, None, None], 250, 2.5, 2),  # no steps: by commit time
+    ([100, None, None], 150, 2.5, 2),  # mixed: each by what it has
+    ([], 10, 10.0, None),
+])
+def test_which_checkpoint_an_anomaly_protects(steps: list[int | None], before_step: int,
+                                               before: float, expected: int | None) -> None:
+    summaries = [summary(i, step=step) for i, step in enumerate(steps, start=1)]
+    chosen = choose_protected(summaries, before_step, before)
+    assert (chosen.seq if chosen else None) == expected

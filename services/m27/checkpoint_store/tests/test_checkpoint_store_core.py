@@ -405,3 +405,32 @@ async def test_each_commit_is_announced_and_an_announcement_failure_keeps_it(
         (TASK, first.checkpoint_id, 10), (TASK, second.checkpoint_id, 20)]
     assert seen[0].size_bytes == 5000
     assert (await store.get_manifest(TASK))[0] == second  # committed all the same
+
+
+async def test_the_last_checkpoint_before_an_anomaly_outlives_retention(
+        tmp_path: Path) -> None:
+    """Protect picks the newest checkpoint taken before the anomaly's training step and
+    keeps it through every later commit; a commit cannot protect itself."""
+    store = make_store(tmp_path / "root", retention=RetentionPolicy(keep_last=2))
+    for step in (100, 200, 300):
+        await upload(store, {"w": bytes([step % 251]) * 50}, step=step)
+    chosen = await store.protect(TASK, 0, 250, 0.0, "training anomaly: loss spike\nat 250")
+    assert chosen == next(s for s in await store.list(TASK) if s.step == 200).checkpoint_id
+    for step in (400, 500, 600):  # retention now keeps the last 2 and the protected one
+        await upload(store, {"w": bytes([step % 251]) * 50}, step=step, protected="mine")
+    listed = await store.list(TASK)
+    assert [(s.step, s.protected) for s in listed] == [
+        (200, "training anomaly: loss spike at 250"), (500, ""), (600, "")]
+    assert await store.protect(TASK, 0, 50, 0.0, "before everything") == ""
+    # a second anomaly keeps the first one's reason on the same checkpoint
+    assert await store.protect(TASK, 0, 260, 0.0, "again") == chosen
+    assert (await store.list(TASK))[0].protected == "training anomaly: loss spike at 250"
+
+
+async def test_protect_is_fenced_like_a_commit(tmp_path: Path) -> None:
+    async def assigned(task_id: str) -> int | None:
+        return 3
+
+    store = make_store(tmp_path / "root", assigned_attempt=assigned)
+    with pytest.raises(StaleAttempt):
+        await store.protect(TASK, 2, 10, 0.0, "stale")

@@ -50,6 +50,16 @@ def test_the_listing_shows_sizes_stored_bytes_kind_and_age() -> None:
     assert lines[0].index("CHECKPOINT") == lines[1].index("c-") == lines[2].index("c-")
 
 
+def test_a_protected_checkpoint_is_marked_and_says_why() -> None:
+    lines = render_list([
+        summary("c-0000000000001-aaaaaa", protected="training anomaly: loss is nan at 7"),
+        summary("c-0000000000002-aaaaaa")], now=1250.0)
+    assert lines[1].endswith("  [protected]")
+    assert not lines[2].endswith("[protected]")
+    assert lines[3] == ("[protected] c-0000000000001-aaaaaa: training anomaly: loss is nan "
+                        "at 7")
+
+
 def entry(name: str, kind: str = "file") -> Entry:
     return Entry(name=name, kind=kind, size=0, chunks=())  # type: ignore[arg-type]
 
