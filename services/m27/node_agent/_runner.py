@@ -100,8 +100,6 @@ class AgentStopping(Unavailable):
     """A StartTask arrived while the agent shuts down; it is redelivered to the next agent."""
 
 
-
-
 @dataclass(eq=False)
 class RunningTask:
     """A started task, from spawn until its TaskExited is stored."""
