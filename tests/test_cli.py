@@ -193,13 +193,18 @@ def test_demo_runs_to_a_finished_report(m27: M27) -> None:
     analysis = json.loads((workdir / "analysis.json").read_text())
     assert analysis["test_samples"] > 0
     assert 0.0 <= analysis["accuracy"] <= 1.0
-    # the blunder at epoch 2 is a loss spike: its monitor asked the step to checkpoint
-    run_id = demo.stdout.split("demo run ", 1)[1].split(" ", 1)[0]
-    training = Path(m27.env["M27_HOME"]) / "runs" / run_id / "logs" / "training.1.out"
-    assert "checkpoint asked for (SIGUSR1)" in training.read_text()
+    # the blunder at epoch 2 is a loss spike: the training step's monitor caught it and
+    # asked for a checkpoint (whether the program still ran to get the signal depends on
+    # how fast these cores are; tests/test_node_agent.py checks the delivery), and a
+    # signal at any moment never failed the step (it succeeded above)
     agent_log = "".join(p.read_text() for p in (Path(m27.env["M27_HOME"]) / "logs").glob(
         "node-agent*.log"))
-    assert '"kind": "spike"' in agent_log or "kind=spike" in agent_log, agent_log[-2000:]
+    anomalies = [json.loads(line) for line in agent_log.splitlines()
+                 if '"task.training_anomaly"' in line]
+    assert anomalies, agent_log[-2000:]
+    assert (anomalies[0]["kind"], anomalies[0]["metric"]) == ("spike", "batch_loss")
+    assert any(('"task.checkpoint_requested"' in line and "training anomaly" in line)
+               or '"task.checkpoint_ignored"' in line for line in agent_log.splitlines())
 
 
 def test_plan_works_without_a_running_system(m27: M27) -> None:

@@ -25,15 +25,16 @@ SPIKE_AFTER_UPLOADS = """\
 import json, os, pathlib, sys, time
 state = pathlib.Path(os.environ["M27_CHECKPOINT_DIR"]) / "state.txt"
 metrics = open(os.environ["M27_METRICS_FILE"], "a")
-def tick(step, loss):
+def tick(step, loss, t=None):
     state.write_text(f"after step {step}")
-    metrics.write(json.dumps({"step": step, "loss": loss}) + "\\n")
+    t = time.time() if t is None else t  # when it was logged, as m27.train.log stamps it
+    metrics.write(json.dumps({"step": step, "t": t, "loss": loss}) + "\\n")
     metrics.flush()
     time.sleep(0.1)
 for step in range(30):
     tick(step, 1.0 + 0.01 * (step % 3))
 spiked_at = time.time()
-tick(30, 40.0)
+tick(30, 40.0, spiked_at)
 for step in range(31, 110):
     tick(step, 1.0)
 pathlib.Path(sys.argv[1]).write_text(repr(spiked_at))
@@ -83,7 +84,7 @@ async def test_a_spike_protects_the_last_checkpoint_from_before_it(
     assert len(protected) == 1, [(m.seq, m.protected) for m in manifests]
     kept = protected[0]
     assert kept.protected.startswith("training anomaly: loss 40 at step 30")
-    assert kept.created_at < spiked_at  # from before the spike
+    assert kept.created_at < spiked_at  # from before the spike was logged
     newer = [m for m in manifests if m.seq > kept.seq]
     assert newer, "no upload after the spike"
     # retention (the last 3) went on around it: it is kept for its protection alone

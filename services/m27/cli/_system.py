@@ -38,7 +38,8 @@ def add_commands(sub: Subparsers) -> None:
     status.add_argument("--json", action="store_true", help="machine-readable output")
     demo = add(sub, "demo", "bring the system up if needed and run the bundled demo "
                "pipeline (CPU prep → GPU training → GPU-light analysis) to a report", cmd_demo)
-    demo.add_argument("--epochs", type=int, default=15)
+    demo.add_argument("--epochs", type=int, default=15,
+                      help="training epochs of the demo's GPU step (default: 15)")
     demo.add_argument("--spike-epoch", type=int, default=0, metavar="N",
                       help="make the training step blunder at the start of epoch N (a "
                       "learning rate 300x too large for one batch), to see its training "
