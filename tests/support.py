@@ -12,10 +12,12 @@ from pathlib import Path
 
 import grpc
 import msgspec
+from nats.js.errors import NotFoundError
 
 from m27.client import Client
 from m27.common import api_auth, tokens
 from m27.common.api_auth import ApiAccess, Keys
+from m27.common.bus import NatsBus
 from m27.common.config import NatsSection, load_config
 from m27.common.model import RunRecord
 from m27.embedded import NatsServer, system
@@ -305,6 +307,19 @@ def embedded(root: Path, *, tls: bool, nodes: int = 1, gpus: str = "sim:1") -> I
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
+
+
+async def stored(bus: NatsBus, stream: str) -> list[tuple[str, bytes]]:
+    """Every message a JetStream stream holds now, as (subject, data), oldest first."""
+    info = await bus.js.stream_info(stream)
+    found = []
+    for seq in range(info.state.first_seq, info.state.last_seq + 1):
+        try:
+            msg = await bus.js.get_msg(stream, seq)
+        except NotFoundError:  # deleted or expired since the info was read
+            continue
+        found.append((msg.subject or "", msg.data or b""))
+    return found
 
 
 def nats_settings() -> NatsSection:

@@ -13,14 +13,13 @@ import time
 from pathlib import Path
 
 import pytest
-from nats.js.errors import NotFoundError
 
 from m27.common import events, subjects
 from m27.common.bus import NatsBus
 from m27.common.metric_points import series
 from m27.report.service import history_path
 from m27.report.store import History
-from tests.support import Cluster, finished_run
+from tests.support import Cluster, finished_run, stored
 
 pytestmark = pytest.mark.integration
 
@@ -37,17 +36,9 @@ sys.exit(1 if attempt == 1 else 0)
 
 
 async def stream_of(bus: NatsBus, run_id: str) -> list[tuple[str, events.MetricPoints]]:
-    info = await bus.js.stream_info(subjects.METRICS_STREAM)
-    found = []
-    for seq in range(info.state.first_seq, info.state.last_seq + 1):
-        try:
-            msg = await bus.js.get_msg(subjects.METRICS_STREAM, seq)
-        except NotFoundError:
-            continue
-        batch = events.decode_metrics(msg.data or b"")
-        if batch.run_id == run_id:
-            found.append((msg.subject or "", batch))
-    return found
+    batches = [(subject, events.decode_metrics(data))
+               for subject, data in await stored(bus, subjects.METRICS_STREAM)]
+    return [(subject, batch) for subject, batch in batches if batch.run_id == run_id]
 
 
 async def test_logged_points_reach_the_bus_once_each_and_attempts_make_one_series(

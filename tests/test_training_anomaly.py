@@ -9,12 +9,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from nats.js.errors import NotFoundError
 
 from m27.checkpoint_store import KvManifestIndex
 from m27.common import events, subjects
 from m27.common.bus import NatsBus
-from tests.support import Cluster, finished_run
+from tests.support import Cluster, finished_run, stored
 
 pytestmark = pytest.mark.integration
 
@@ -42,17 +41,9 @@ pathlib.Path(sys.argv[1]).write_text(repr(spiked_at))
 
 
 async def anomalies_of(bus: NatsBus, run_id: str) -> list[events.TrainingAnomaly]:
-    info = await bus.js.stream_info(subjects.EVENTS_STREAM)
-    found = []
-    for seq in range(info.state.first_seq, info.state.last_seq + 1):
-        try:
-            msg = await bus.js.get_msg(subjects.EVENTS_STREAM, seq)
-        except NotFoundError:
-            continue
-        event = events.decode_event(msg.data or b"")
-        if isinstance(event, events.TrainingAnomaly) and event.run_id == run_id:
-            found.append(event)
-    return found
+    found = [events.decode_event(data)
+             for _, data in await stored(bus, subjects.EVENTS_STREAM)]
+    return [e for e in found if isinstance(e, events.TrainingAnomaly) and e.run_id == run_id]
 
 
 async def test_a_spike_protects_the_last_checkpoint_from_before_it(
