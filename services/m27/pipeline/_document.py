@@ -41,6 +41,9 @@ MONITOR_KEYS: Final = ("metric", "mode", "window", "warmup", "spike", "divergenc
                        "plateau", "min_delta", "on_anomaly")
 #: Metrics one step's monitor may watch.
 MAX_MONITORS: Final = 16
+#: The spike baseline's window at most: the agent takes its median at every value, so the
+#: window bounds what one logged value costs it.
+MAX_MONITOR_WINDOW: Final = 1000
 VAR_KEYS: Final = ("default", "secret")
 ENV_KEYS: Final = ("value", "secret")
 MAX_STEP_TEMPLATES: Final = 5000
@@ -315,9 +318,10 @@ class DocumentReader(Reader):
                 values["metric"] = metric
         if "mode" in fields:
             values["mode"] = self.choice(fields["mode"], f"{path}.mode", MONITOR_MODES, "mode")
-        for key, low in (("window", 2), ("warmup", 1), ("divergence", 0), ("plateau", 0)):
+        for key, low, high in (("window", 2, MAX_MONITOR_WINDOW), ("warmup", 1, 100_000),
+                               ("divergence", 0, 100_000), ("plateau", 0, 100_000)):
             if key in fields:
-                values[key] = self.integer(fields[key], f"{path}.{key}", low, 100_000)
+                values[key] = self.integer(fields[key], f"{path}.{key}", low, high)
         for key, high in (("spike", 1000.0), ("min_delta", 1.0)):
             if key in fields:
                 values[key] = self.number(fields[key], f"{path}.{key}", 0, high)

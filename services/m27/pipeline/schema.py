@@ -418,7 +418,8 @@ def _monitor_def() -> JSON:
         "mode": {"description": "min: lower is better (a loss; default); max: higher is "
                                 "better (an accuracy).", "type": "string",
                  "enum": list(MONITOR_MODES)},
-        "window": {**count, "minimum": 2, "description": f"Values the spike baseline (a "
+        "window": {**count, "minimum": 2, "maximum": _document.MAX_MONITOR_WINDOW,
+                   "description": f"Values the spike baseline (a "
                    f"rolling median) is taken over. Default: {defaults.window}."},
         "warmup": {**count, "minimum": 1, "description": f"Values seen before a spike can "
                    f"be called. Default: {defaults.warmup}."},

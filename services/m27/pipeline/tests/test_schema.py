@@ -267,6 +267,7 @@ AGREEMENT = [
     ("monitor: {metric: 1x}", False), ("monitor: {spike: -1}", False),
     ("monitor: {spike: 0}", True), ("monitor: {window: 1}", False),
     ("monitor: {divergence: 2.5}", False), ("monitor: {plateau: 100001}", False),
+    ("monitor: {window: 1000}", True), ("monitor: {window: 1001}", False),
     ("monitor: {min_delta: 2}", False), ("monitor: {on_anomaly: [checkpoint, stop]}", True),
     ("monitor: {on_anomaly: stop}", True), ("monitor: {on_anomaly: []}", True),
     ("monitor: {on_anomaly: reboot}", False),
