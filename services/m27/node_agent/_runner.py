@@ -41,7 +41,7 @@ from m27.common.events import (
 )
 from m27.common.logging import bound_contextvars, get_logger
 from m27.common.model import NO_CHECKPOINT_SIGNAL, Fence, TaskHolding
-from m27.node_agent._anomalies import TrainingWatch, anomaly_msg_id
+from m27.node_agent._anomalies import EVENTS_PER_MINUTE, TrainingWatch, anomaly_msg_id
 from m27.node_agent._file_sync import FileCheckpoints, FileSync
 from m27.node_agent._gpus import Holding
 from m27.node_agent._isolation import Cgroups, confine, remove_cgroup
@@ -510,12 +510,13 @@ class TaskRunner:
         asked to checkpoint at once and/or stopped, as its `monitor:` says."""
         if task.training is None:
             return
+        suppressed = task.training.suppressed
         for anomaly in task.training.feed(offset, points, self._clock()):
             log.warning("task.training_anomaly", task_id=task.cmd.task_id, kind=anomaly.kind,
                         metric=anomaly.metric, train_step=anomaly.train_step,
                         detail=anomaly.detail, actions=list(anomaly.actions))
             note = f"training anomaly: {anomaly.detail}"
-            if "checkpoint" in anomaly.actions:
+            if "checkpoint" in anomaly.actions and task.training.may_act(self._clock()):
                 self.request_checkpoint(task.cmd.task_id, task.cmd.attempt, note)
                 point_at = next((p.at for p in points if p.step == anomaly.train_step),
                                 anomaly.at)
@@ -526,6 +527,10 @@ class TaskRunner:
                 protecting.add_done_callback(self._protecting.discard)
             if "stop" in anomaly.actions and task.alive and task.stop is None:
                 self._terminate(task, StopRequest("anomaly", note), self._stop_grace_s)
+        if task.training.suppressed > suppressed:
+            log.warning("task.training_anomalies_suppressed", task_id=task.cmd.task_id,
+                        suppressed=task.training.suppressed,
+                        why=f"more than {EVENTS_PER_MINUTE} a minute")
 
     async def _publish_anomalies(self, task: RunningTask) -> None:
         """The `training_anomaly` events found so far; one that cannot be published yet

@@ -322,9 +322,9 @@ class DocumentReader(Reader):
                                ("divergence", 0, 100_000), ("plateau", 0, 100_000)):
             if key in fields:
                 values[key] = self.integer(fields[key], f"{path}.{key}", low, high)
-        for key, high in (("spike", 1000.0), ("min_delta", 1.0)):
-            if key in fields:
-                values[key] = self.number(fields[key], f"{path}.{key}", 0, high)
+        for name, top in (("spike", 1000.0), ("min_delta", 1.0)):
+            if name in fields:
+                values[name] = self.number(fields[name], f"{path}.{name}", 0, top)
         if "on_anomaly" in fields:
             actions = [a for a, n in self.strings(fields["on_anomaly"], f"{path}.on_anomaly",
                                                   "actions")
