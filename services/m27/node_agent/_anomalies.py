@@ -33,7 +33,7 @@ class TrainingWatch:
     cmd: StartTask
     node_id: str
     states: list[MonitorState] = field(default_factory=list)
-    watched_to: int = -1  # the file offset of the last chunk watched
+    watched_to: tuple[int, int] = (0, -1)  # (truncations, offset) of the last chunk watched
     outbox: deque[TrainingAnomaly] = field(default_factory=lambda: deque(maxlen=OUTBOX_MAX))
     suppressed: int = 0  # anomalies past EVENTS_PER_MINUTE, not published
     _recent: deque[float] = field(default_factory=deque)  # when the last events were found
@@ -42,13 +42,14 @@ class TrainingWatch:
     def __post_init__(self) -> None:
         self.states = [MonitorState() for _ in self.cmd.monitor]
 
-    def feed(self, offset: int, points: Sequence[MetricPoint], now: float
-             ) -> list[TrainingAnomaly]:
-        """The anomalies the chunk of points read at `offset` starts (none for a chunk
-        watched before); they are also queued in `outbox`."""
-        if offset <= self.watched_to:
+    def feed(self, offset: int, points: Sequence[MetricPoint], now: float,
+             truncations: int = 0) -> list[TrainingAnomaly]:
+        """The anomalies the chunk of points read at `offset` (after the file was truncated
+        `truncations` times) starts — none for a chunk watched before; they are also
+        queued in `outbox`."""
+        if (truncations, offset) <= self.watched_to:
             return []
-        self.watched_to = offset
+        self.watched_to = (truncations, offset)
         found: list[TrainingAnomaly] = []
         for point in points:
             for index, spec in enumerate(self.cmd.monitor):

@@ -48,6 +48,7 @@ class MetricsFile:
     skipped: int = 0
     first_problem: str = ""
     checked: int = 0  # problems before this offset are counted already
+    truncations: int = 0  # times the program truncated the file (reading started over)
 
     def read(self, now: float, limit: int = READ_BYTES) -> tuple[list[Chunk], int]:
         """The points appended since `offset`, in chunks of at most BATCH, each with the
@@ -58,6 +59,7 @@ class MetricsFile:
             with self.path.open("rb") as file:
                 if os.fstat(file.fileno()).st_size < self.offset:
                     self.offset = self.checked = 0  # the program truncated it: start over
+                    self.truncations += 1
                 file.seek(self.offset)
                 data = file.read(limit)
         except FileNotFoundError:

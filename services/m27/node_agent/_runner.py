@@ -495,7 +495,7 @@ class TaskRunner:
                     except nats.errors.MaxPayloadError:  # cannot happen below BATCH_BYTES
                         log.warning("metrics.batch_too_big", offset=chunk.offset,
                                     points=len(chunk.points))
-                    self._watch_training(task, chunk.offset, chunk.points)
+                    self._watch_training(task, chunk.offset, chunk.points, tail.truncations)
                 tail.offset = end
                 if end - start < READ_BYTES // 2:
                     break  # caught up; a read near the limit means more may be waiting
@@ -505,13 +505,13 @@ class TaskRunner:
             await self._publish_anomalies(task)
 
     def _watch_training(self, task: RunningTask, offset: int,
-                        points: Sequence[MetricPoint]) -> None:
+                        points: Sequence[MetricPoint], truncations: int) -> None:
         """The step's training monitor on points just read: on an anomaly the step is
         asked to checkpoint at once and/or stopped, as its `monitor:` says."""
         if task.training is None:
             return
         suppressed = task.training.suppressed
-        for anomaly in task.training.feed(offset, points, self._clock()):
+        for anomaly in task.training.feed(offset, points, self._clock(), truncations):
             log.warning("task.training_anomaly", task_id=task.cmd.task_id, kind=anomaly.kind,
                         metric=anomaly.metric, train_step=anomaly.train_step,
                         detail=anomaly.detail, actions=list(anomaly.actions))

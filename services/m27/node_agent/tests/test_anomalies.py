@@ -28,6 +28,9 @@ def test_a_chunk_read_again_is_not_watched_again() -> None:
     assert training.feed(0, chunk, now=2.0) == []  # the publish failed: read again
     assert [a.value for a in training.outbox] == ["NaN"]
     assert training.outbox[0].actions == ("checkpoint", "notify")
+    # the program truncated its file and writes from the start again: watched again
+    again = points([*[1.0] * 10, "NaN"], first=10)  # calm for `warmup`, then NaN again
+    assert [a.kind for a in training.feed(0, again, now=3.0, truncations=1)] == ["nan"]
 
 
 def test_an_alternating_curve_cannot_flood_the_agent() -> None:
