@@ -11,7 +11,7 @@ One cycle:
    ready-pool task may displace background backfills from one; else it waits, and the
    next `ready_pool` waiting tasks get their inputs staged, each on up to `stage_nodes`
    nodes. Running ready-pool backfills are ranked among them and move to capacity of
-   their own when it is free at their turn.
+   their own when it is free at their turn, or preempt for it as their queued selves would.
 """
 
 from __future__ import annotations
@@ -202,6 +202,7 @@ def run_cycle(state: ClusterState, queue: Sequence[Queued], now: float,
     spoken_for = {d.task_id for d in cycle.decisions if isinstance(d, Preempt)}
     cycle.victims = _victims(state, now, settings, spoken_for)
     movers = _movers(state, now, settings, spoken_for)
+    cycle.queued_ids |= set(movers)  # what stops for a mover is the mover's, as if queued
     rank = 0
     for queued, score in order([*queue, *movers.values()], now, settings):
         if queued.job.task_id in movers:
@@ -252,6 +253,8 @@ def _move(cycle: _Cycle, running: Running, queued: Queued, score: Score) -> None
     req = request_of(queued.job)
     choice = _choose(cycle.packer, req, (), cycle.failed)
     if choice is None:
+        if cycle.settings.preemption:
+            _make_room(cycle, running, queued, req, score)
         return
     packer = cycle.packer
     packer.take(choice.node, [packer.col_of(choice.node, g) for g in choice.gpu_ids], req)
@@ -263,6 +266,77 @@ def _move(cycle: _Cycle, running: Running, queued: Queued, score: Score) -> None
                        "checkpoint and restart there"))
     cycle.victims = [v for v in cycle.victims if job.task_id not in {
         r.job.task_id for r, _ in v.frees()}]
+
+
+def _make_room(cycle: _Cycle, running: Running, queued: Queued, req: Request,
+               score: Score) -> None:
+    """A ready-pool backfill keeps every right its queued self has, the right to preempt
+    included: with no capacity of its own free, it preempts the victims a queued task of
+    its score would (never its own lender), and keeps computing where it is until they are
+    gone; then it moves into what they freed (`_move`), which is held for it meanwhile (their
+    `stopping_for` names it). Without this a night MD run that started as a backfill crawled
+    at its lender's I/O pace for hours beside background sweeps that a queued copy of it
+    would have stopped at once (16-GPU issue-like, docs/scheduling.md)."""
+    job = running.job
+    plan = _preemption.plan(
+        cycle.packer, req, _asker(cycle, queued, score),
+        [v for v in cycle.victims
+         if job.task_id not in {r.job.task_id for r, _ in v.frees()}],
+        _stopping_for(cycle, job.task_id))
+    if plan is None:
+        return
+    where = cycle.packer.nodes[plan.node].node_id
+    _stop_victims(cycle, plan, job.task_id, score,
+                  why=f" (a backfill in {running.lender}'s idle share that moves to "
+                  f"capacity of its own on {where} once they are gone)")
+    _reserve(cycle.packer, plan, req)
+    _forget_freed(cycle, plan)
+
+
+def _asker(cycle: _Cycle, queued: Queued, score: Score) -> _preemption.Asker:
+    return _preemption.Asker(score=score.total, base=score.urgency + score.level,
+                             served_gpu_s=queued.attained_gpu_s,
+                             peer_yield_gpu_s=cycle.settings.peer_yield_gpu_h * 3600.0)
+
+
+def _stopping_for(cycle: _Cycle, task_id: str) -> list[_preemption.Freed]:
+    """Capacity already stopping that `task_id` may count on: stopped for it, for nobody
+    (a drain), or for a task that no longer waits. What stops for another waiting task is
+    that task's."""
+    return [f for f in cycle.stopping
+            if f[0].stopping_for in ("", task_id) or f[0].stopping_for not in cycle.queued_ids]
+
+
+def _stop_victims(cycle: _Cycle, plan: _preemption.Plan, task_id: str, score: Score,
+                  why: str = "") -> None:
+    """A `Preempt` for each of the plan's victims and each backfill in its share."""
+    for victim in plan.victims:
+        vjob = victim.running.job
+        cycle.emit(Preempt(
+            task_id=vjob.task_id, attempt=vjob.attempt, for_task=task_id,
+            grace_s=cycle.settings.preempt_grace_s,
+            reason=f"make room for {task_id}{why} (score {score.total:.0f} > "
+            f"{victim.score:.0f}); loses {victim.lost_gpu_s:.0f} GPU-s since its last "
+            "checkpoint"))
+        for tenant in victim.tenants:
+            cycle.emit(Preempt(
+                task_id=tenant.job.task_id, attempt=tenant.job.attempt, for_task=task_id,
+                grace_s=cycle.settings.preempt_grace_s,
+                reason=f"backfill in {vjob.task_id}, which is preempted for {task_id}: "
+                "it would otherwise keep the share freed for it"))
+
+
+def _forget_freed(cycle: _Cycle, plan: _preemption.Plan) -> set[str]:
+    """What the plan stops or waits for is nobody else's victim, stopping capacity or
+    lender in the rest of this cycle; returns those tasks."""
+    taken = {r.job.task_id for v in plan.victims for r, _ in v.frees()} | {
+        r.job.task_id for r, _ in plan.stopping}
+    cycle.victims = [v for v in cycle.victims if not taken & {
+        r.job.task_id for r, _ in v.frees()}]
+    cycle.stopping = [f for f in cycle.stopping if f[0].job.task_id not in taken]
+    for task_id in taken:  # no backfill into capacity that is being freed
+        cycle.idle.pop(task_id, None)
+    return taken
 
 
 def moving(r: Running, alive: set[str]) -> bool:
@@ -371,39 +445,14 @@ def _place(cycle: _Cycle, queued: Queued, req: Request, choice: Choice,
 
 def _preempt(cycle: _Cycle, queued: Queued, req: Request, score: Score) -> bool:
     job = queued.job
-    asker = _preemption.Asker(score=score.total, base=score.urgency + score.level,
-                              served_gpu_s=queued.attained_gpu_s,
-                              peer_yield_gpu_s=cycle.settings.peer_yield_gpu_h * 3600.0)
-    # Capacity stopping for another waiting task is that task's, not this one's.
-    stopping = [f for f in cycle.stopping
-                if f[0].stopping_for in ("", job.task_id)
-                or f[0].stopping_for not in cycle.queued_ids]
-    plan = _preemption.plan(cycle.packer, req, asker, cycle.victims, stopping)
+    plan = _preemption.plan(cycle.packer, req, _asker(cycle, queued, score), cycle.victims,
+                            _stopping_for(cycle, job.task_id))
     if plan is None:
         return False
     node_id = cycle.packer.nodes[plan.node].node_id
-    for victim in plan.victims:
-        vjob = victim.running.job
-        cycle.emit(Preempt(
-            task_id=vjob.task_id, attempt=vjob.attempt, for_task=job.task_id,
-            grace_s=cycle.settings.preempt_grace_s,
-            reason=f"make room for {job.task_id} (score {score.total:.0f} > "
-            f"{victim.score:.0f}); loses {victim.lost_gpu_s:.0f} GPU-s since its last "
-            "checkpoint"))
-        for tenant in victim.tenants:
-            cycle.emit(Preempt(
-                task_id=tenant.job.task_id, attempt=tenant.job.attempt, for_task=job.task_id,
-                grace_s=cycle.settings.preempt_grace_s,
-                reason=f"backfill in {vjob.task_id}, which is preempted for {job.task_id}: "
-                "it would otherwise keep the share freed for it"))
+    _stop_victims(cycle, plan, job.task_id, score)
     _reserve(cycle.packer, plan, req)
-    taken = {r.job.task_id for v in plan.victims for r, _ in v.frees()} | {
-        r.job.task_id for r, _ in plan.stopping}
-    cycle.victims = [v for v in cycle.victims if not taken & {
-        r.job.task_id for r, _ in v.frees()}]
-    cycle.stopping = [f for f in cycle.stopping if f[0].job.task_id not in taken]
-    for task_id in taken:  # no backfill into capacity that is being freed
-        cycle.idle.pop(task_id, None)
+    _forget_freed(cycle, plan)
     count = len(plan.victims) + len(plan.stopping)
     cycle.emit(Wait(task_id=job.task_id,
                     reason=f"waiting for {count} preempted task(s) to checkpoint on "

@@ -470,3 +470,113 @@ def test_a_backfill_is_ranked_for_its_move_with_the_score_it_will_have_once_requ
     decisions = decide(_two_gpus(_train(started=NOW - 0.25 * (NOW - OLD))), [peer], NOW)
     assert [(d.task_id, d.for_task) for d in decisions if isinstance(d, Preempt)] == [
         ("train", "train")]
+
+
+def _sweep_on_gpu1(**kw: object) -> Running:
+    base: dict[str, object] = {"tier": "background", "preemptible": True, "started": OLD,
+                               "checkpoints": True, "last_checkpoint_at": NOW - 60.0}
+    base.update(kw)
+    return running("sweep", "n1", (1,), 1000, **base)  # type: ignore[arg-type]
+
+
+def test_a_backfill_preempts_what_its_queued_self_would_and_moves_once_it_is_gone() -> None:
+    """A backfill is a head start, never a loss of rights: beside a background sweep that
+    a queued copy of it would stop at once, it stops the sweep too (and keeps computing in
+    its share until the sweep is gone), instead of crawling at its lender's I/O pace."""
+    cluster = _two_gpus(_train(), second=(_sweep_on_gpu1(),))
+    assert [(d.task_id, d.for_task) for d in decide(cluster, [], NOW)
+            if isinstance(d, Preempt)] == [("sweep", "train")]
+    itself = queued("train", 1000, at=10.0, gpu_memory_mb=8192, checkpoints=True)
+    as_queued = state(node("n1", 2, gpu_mem=16_384), running=(
+        cluster.running[0], _sweep_on_gpu1()))
+    assert [(d.task_id, d.for_task) for d in decide(as_queued, [itself], NOW)
+            if isinstance(d, Preempt)] == [("sweep", "train")]
+    # While the sweep checkpoints: nothing more is stopped, and a task ranked below train
+    # neither takes GPU 1 nor counts on it.
+    other = queued("other", 1000, at=NOW - 60)
+    leaving = _two_gpus(_train(), second=(_sweep_on_gpu1(stopping=True,
+                                                          stopping_for="train"),))
+    decisions = decide(leaving, [other], NOW + 30)
+    assert preempted(decisions) == []
+    assert places(decisions) == {}
+    # Once it is gone, train moves there (held for it while it checkpoints).
+    moved = decide(_two_gpus(_train()), [other], NOW + 60)
+    assert [(d.task_id, d.for_task) for d in moved if isinstance(d, Preempt)] == [
+        ("train", "train")]
+
+
+def test_a_backfill_stops_nobody_its_queued_self_may_not() -> None:
+    young = NOW - S.min_runtime_s / 2
+    cases = {
+        "a peer of its class": _sweep_on_gpu1(tier="immediate", preemptible=True,
+                                              urgency="normal"),
+        "work that is not preemptible": _sweep_on_gpu1(tier="immediate", preemptible=False,
+                                                       urgency="low"),
+        "a sweep under its min runtime": _sweep_on_gpu1(started=young),
+        "a sweep staging its inputs": _sweep_on_gpu1(staging=True),
+    }
+    for why, sweep in cases.items():
+        assert preempted(decide(_two_gpus(_train(), second=(sweep,)), [], NOW)) == [], why
+    # nor its own lender, even when the lender could be stopped by others
+    lender_bg = state(node("n1", 1, gpu_mem=16_384), running=(
+        running("md", "n1", (0,), 1000, started=OLD, idle=True, gpu_memory_mb=2048,
+                tier="background", preemptible=True),
+        _train()))
+    assert preempted(decide(lender_bg, [], NOW)) == []
+
+
+@st.composite
+def backfill_beside_others(draw: st.DrawFn) -> tuple[ClusterState, Running]:
+    """An immediate checkpointing backfill `train` in a non-preemptible lender's idle share
+    on GPU 0, and on the other GPUs of the node running work in every state a victim can be
+    in."""
+    gpus = draw(st.integers(2, 4))
+    n = node("n1", gpus, gpu_mem=16_384)
+    md = running("md", "n1", (0,), 1000, started=OLD, idle=True, gpu_memory_mb=2048)
+    train = _train(urgency=draw(st.sampled_from(["low", "normal", "high"])),
+                   queued_at=draw(st.sampled_from([10.0, NOW - 600.0])))
+    run: list[Running] = [md, train]
+    for gpu in range(1, gpus):
+        for k, milli in enumerate(draw(st.sampled_from([(1000,), (500,), (500, 500),
+                                                        (300, 600)]))):
+            run.append(running(
+                f"r{gpu}-{k}", "n1", (gpu,), milli,
+                started=NOW - draw(st.sampled_from([10.0, 200.0, 5000.0])),
+                staging=draw(st.booleans()),
+                tier=draw(st.sampled_from(["background", "immediate"])),
+                preemptible=draw(st.booleans()),
+                urgency=draw(st.sampled_from(["low", "normal", "high"])),
+                checkpoints=draw(st.booleans()),
+                last_checkpoint_at=draw(st.sampled_from([None, NOW - 60.0])),
+                stopping=draw(st.sampled_from([False, False, True])),
+                stopping_for=draw(st.sampled_from(["", "train"]))))
+    return ClusterState(nodes=(n,), running=tuple(run)), train
+
+
+@settings(max_examples=200, deadline=None)
+@given(backfill_beside_others())
+def test_a_backfill_has_the_rights_of_its_queued_self(
+        case: tuple[ClusterState, Running]) -> None:
+    """Whatever its queued copy would do for capacity of its own (start there, or stop
+    victims for it), the backfill does too: it moves, or stops the same kind of victims;
+    and it never stops anything its queued copy could not."""
+    cluster, train = case
+    decisions = decide(cluster, [], NOW)
+    mine = [d for d in decisions if isinstance(d, Preempt) and d.for_task == "train"]
+    others = state(*cluster.nodes, running=tuple(
+        r for r in cluster.running if r.job.task_id != "train"))
+    itself = Queued(job=train.job, queued_at=train.queued_at,
+                    attained_gpu_s=(NOW - train.started_at) * train.gpu_milli / 1000)
+    as_queued = decide(others, [itself], NOW)
+    acts = [d for d in as_queued if (isinstance(d, Place) and not d.lender)
+            or (isinstance(d, Preempt) and d.for_task == "train")]  # capacity of its own
+    assert bool(mine) == bool(acts) or (
+        not mine and any(r.stopping and r.stopping_for == "train" for r in cluster.running)
+    ), (mine, acts)
+    by_id = {r.job.task_id: r for r in cluster.running}
+    for d in mine:
+        if d.task_id == "train":
+            continue  # its own move
+        victim = by_id[d.task_id]
+        assert protection(victim, NOW, S) == "", (victim, d.reason)
+        assert victim.job.task_id != "md", "never its own lender"
