@@ -143,6 +143,16 @@ async def finished_run(client: Client, run_id: str, timeout: float = 90.0) -> Ru
     raise AssertionError(f"run did not finish: {await client.get_run(run_id)}")
 
 
+async def report_of(client: Client, run_id: str, timeout: float = 60.0) -> str:
+    """The run's HTML report once the report service has written it (`report_path` is set
+    when the orchestrator has seen `report_ready`)."""
+    deadline = time.monotonic() + timeout
+    while not (run := await client.get_run(run_id)).report_path:
+        assert time.monotonic() < deadline, f"no report for {run_id}: {run}"
+        await asyncio.sleep(0.1)
+    return Path(run.report_path).read_text()
+
+
 def lines(path: Path) -> list[str]:
     return path.read_text().splitlines() if path.exists() else []
 

@@ -19,7 +19,7 @@ from m27.common.bus import NatsBus
 from m27.common.metric_points import series
 from m27.report.service import history_path
 from m27.report.store import History
-from tests.support import Cluster, finished_run, stored
+from tests.support import Cluster, finished_run, report_of, stored
 
 pytestmark = pytest.mark.integration
 
@@ -116,7 +116,10 @@ async def test_the_history_knows_which_gpu_a_step_held_from_the_telemetry_stream
                 await asyncio.sleep(0.2)
             release.touch()
             run = await finished_run(client, run_id, timeout=60)
+            report = await report_of(client, run_id)
         assert run.state == "succeeded", run
+        assert "<h3>GPUs held</h3>" in report  # its GPU's readings over its span
+        assert "GPU utilisation (%)" in report
         md = run.step("md")
         assert md is not None
         assert md.node_id

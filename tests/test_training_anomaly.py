@@ -13,7 +13,7 @@ import pytest
 from m27.checkpoint_store import KvManifestIndex
 from m27.common import events, subjects
 from m27.common.bus import NatsBus
-from tests.support import Cluster, finished_run, stored
+from tests.support import Cluster, finished_run, report_of, stored
 
 pytestmark = pytest.mark.integration
 
@@ -61,8 +61,17 @@ async def test_a_spike_protects_the_last_checkpoint_from_before_it(
     async with cluster.client() as client:
         run_id = await client.submit(pipeline, workdir=str(tmp_path))
         run = await finished_run(client, run_id, timeout=120)
+        report = await report_of(client, run_id)
     assert run.state == "succeeded", cluster.logs()
     spiked_at = float(spiked.read_text())
+    # the run report shows the curve's results, the anomaly and the checkpoints
+    assert "<h2>Results</h2>" in report
+    assert '<td>loss</td><td class="num">1</td><td class="num">109</td>' in report
+    assert report.count('class="mark anomaly"') == 1
+    assert "<title>spike in loss at training step 30</title>" in report
+    assert report.count('class="mark checkpoint"') >= 3
+    assert "<h3>Training anomalies</h3>" in report
+    assert "loss by training step (110 points)" in report
     bus = await NatsBus.open(cluster.nats_url, name="test-anomaly")
     try:
         found = await anomalies_of(bus, run_id)

@@ -11,7 +11,17 @@ import sys
 from collections.abc import Sequence
 
 from m27 import __version__
-from m27.cli import _api, _bus, _checkpoints, _cluster, _queue, _runs, _simulate, _system
+from m27.cli import (
+    _api,
+    _bus,
+    _checkpoints,
+    _cluster,
+    _compare,
+    _queue,
+    _runs,
+    _simulate,
+    _system,
+)
 from m27.common.errors import M27Error
 from m27.common.paths import m27_home
 
@@ -27,6 +37,7 @@ typical use:
   m27 node drain NODE          no new work; checkpointing tasks move elsewhere
   m27 logs RUN STEP -f         a step's output, following it while it runs
   m27 checkpoints RUN STEP     a step's checkpoints; `restore` copies one to a directory
+  m27 compare RUN [RUN...]     runs or a sweep's members: final and best metrics, figures
   m27 demo                     run the bundled demo pipeline end to end
   m27 simulate --trace FILE    replay a trace under scheduling policies (simulated GPUs)
   m27 bus credentials DIR      NATS users for a deployment (`m27 up` makes its own)
@@ -34,8 +45,9 @@ typical use:
   m27 down                     stop everything (runs are kept)
 
 environment: M27_HOME (data dir), M27_CONFIG (config file, default ~/.m2config),
-M27_API (orchestrator address when not using the embedded system), M27_TOKEN (your API
-token, instead of [client] token_file or the one `m27 up` writes).
+M27_API (orchestrator address when not using the embedded system), M27_REPORT (the report
+service's, for `m27 compare`), M27_TOKEN (your API token, instead of [client] token_file
+or the one `m27 up` writes).
 exit codes: 0 ok / run succeeded, 1 error / run failed, 2 bad usage, 3 run cancelled.
 """
 
@@ -55,6 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     _runs.add_commands(sub)
     _cluster.add_commands(sub)
     _queue.add_commands(sub)
+    _compare.add_commands(sub)
     _checkpoints.add_commands(sub)
     _simulate.add_commands(sub)
     _bus.add_commands(sub)

@@ -47,6 +47,7 @@ METHOD_ROLES: Final[dict[str, frozenset[ApiRole]]] = {
     **_service("SchedulerService", {
         "SetNodeMaintenance": _ADMIN, "ListNodeMaintenance": _READERS,
         "ListQueue": _READERS}),
+    **_service("ReportService", {"GetMetrics": _READERS}),
     **_service("CheckpointService", {
         "MissingChunks": _CHECKPOINT_WRITERS, "PutChunks": _CHECKPOINT_WRITERS,
         "Commit": _CHECKPOINT_WRITERS, "GetManifest": _ANYONE, "GetChunks": _ANYONE,

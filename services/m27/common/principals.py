@@ -209,6 +209,8 @@ def permissions(who: Principal) -> Permissions:
             subjects.RUN_REPORT_ALL,
             *service_entry("report"),
             *durable_consumer(event_stream, subjects.REPORT_RUN_STATE, subjects.RUN_STATE_ALL),
+            *durable_consumer(event_stream, subjects.REPORT_TASK_EVENTS,
+                              subjects.TASK_EVENTS_ALL),
             *kv_read(subjects.FENCES_BUCKET),
             *durable_consumer(subjects.METRICS_STREAM, subjects.REPORT_METRICS,
                               subjects.METRICS_ALL),

@@ -195,6 +195,7 @@ SCHEDULER_TASK_EVENTS: Final = "scheduler-task-events"
 REPORT_RUN_STATE: Final = "report-run-state"
 REPORT_METRICS: Final = "report-metrics"
 REPORT_TELEMETRY: Final = "report-telemetry"
+REPORT_TASK_EVENTS: Final = "report-task-events"  # checkpoints and anomalies, for reports
 
 
 def node_command_consumer(node_id: str) -> str:

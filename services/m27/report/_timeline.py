@@ -1,13 +1,16 @@
 """The inline SVG timeline: one Gantt bar per started step on an axis of time since the start.
 
 Pure geometry from the steps' `started_at`/`ended_at`; a step still without an end (a run
-cancelled mid-step) is drawn to the run's end, translucent.
+cancelled mid-step) is drawn to the run's end, translucent. Marks on a step's row show when
+its checkpoints were committed (a tick) and when its training monitor saw an anomaly (a red
+triangle), each with its text as a tooltip.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Final
+from collections.abc import Mapping, Sequence
+from typing import Final, Literal
 
 import msgspec
 
@@ -30,6 +33,14 @@ _NICE_STEPS: Final = (
     1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200, 10800, 21600,
     43200, 86400,
 )
+
+
+class Mark(msgspec.Struct, frozen=True, kw_only=True):
+    """Something that happened to a step at `at` (unix seconds)."""
+
+    at: float
+    kind: Literal["checkpoint", "anomaly"]
+    text: str
 
 
 class Bar(msgspec.Struct, frozen=True, kw_only=True):
@@ -66,8 +77,9 @@ def tick_step(span: float) -> float:
     return float(_NICE_STEPS[-1]) * math.ceil(span / _NICE_STEPS[-1] / MAX_TICKS)
 
 
-def render_timeline(run: RunRecord, *, generated_at: float) -> str:
-    """The `<svg>` element, or a short note when no step ever started."""
+def render_timeline(run: RunRecord, *, generated_at: float,
+                    marks: Mapping[str, Sequence[Mark]] | None = None) -> str:
+    """The `<svg>` element, or a short note when no step ever started; `marks` by step."""
     items = bars(run, generated_at=generated_at)
     if not items:
         return '<p class="muted">No step started, so there is no timeline.</p>'
@@ -81,8 +93,11 @@ def render_timeline(run: RunRecord, *, generated_at: float) -> str:
         _axis(span, scale, rows_h=len(items) * ROW_H),
     ]
     parts.extend(_row(i, bar, scale) for i, bar in enumerate(items))
-    parts.append("</svg>")
     origin = min(s.started_at for s in run.steps if s.started_at is not None)
+    for i, bar in enumerate(items):
+        parts.extend(_mark(i, m, (m.at - origin) * scale, span * scale)
+                     for m in (marks or {}).get(bar.name, ()))
+    parts.append("</svg>")
     caption = (f'<p class="muted">Time since the first step started '
                f"({esc(fmt_time(origin))}).</p>")
     return "\n".join(parts) + "\n" + caption + "\n" + _legend(items)
@@ -128,3 +143,15 @@ def _row(index: int, bar: Bar, scale: float) -> str:
         f'width="{width:.1f}" height="{BAR_H}" rx="3" fill="{colour}">'
         f"<title>{esc(tooltip)}</title></rect>"
     )
+
+
+def _mark(index: int, mark: Mark, x: float, right: float) -> str:
+    """A checkpoint tick across the row's bar, or an anomaly's triangle above it."""
+    x = LABEL_W + min(max(x, 0.0), right)
+    y = TOP + index * ROW_H
+    tip = f"<title>{esc(mark.text)}</title>"
+    if mark.kind == "checkpoint":
+        return (f'<line class="mark checkpoint" x1="{x:.1f}" y1="{y + 3:.1f}" x2="{x:.1f}" '
+                f'y2="{y + ROW_H - 3:.1f}" stroke="#ffffff" stroke-width="2">{tip}</line>')
+    return (f'<path class="mark anomaly" d="M{x - 5:.1f} {y + 1:.1f} L{x + 5:.1f} {y + 1:.1f} '
+            f'L{x:.1f} {y + 9:.1f} Z" fill="#cf222e">{tip}</path>')

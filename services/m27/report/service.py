@@ -1,10 +1,12 @@
-"""The report service's shell: when a run ends, fetch it, write its HTML report, announce it.
+"""The report service's shell: when a run ends, fetch it, write its HTML report, announce it;
+materialise metrics and telemetry into the history; serve it (`api.ReportServicer`).
 
     receive RunStateChanged → decide → GetRun (orchestrator) → render → write atomically
     → publish ReportReady → ack
     receive MetricPoints → check its sender (and the task's fence) → the history store
         (`store.History`) → ack
     receive GpuTelemetry → check its sender → the history store → ack
+    receive checkpoint_committed / training_anomaly → check its sender → the history → ack
 
 The event is acked only once the file is durable and the announcement stored. An API that
 cannot be reached (or answers with an error) makes the handler raise, so the event is
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -29,9 +32,11 @@ from m27.common.config import Config
 from m27.common.errors import M27Error, NotFoundError, Unavailable
 from m27.common.logging import bound_contextvars, get_logger
 from m27.common.model import TERMINAL_RUN_STATES, Fence, RunRecord, ServiceInfo
-from m27.common.principals import metrics_problem, telemetry_problem
+from m27.common.principals import metrics_problem, sender_problem, telemetry_problem
 from m27.common.service import ServiceRuntime
+from m27.report.api import SERVICE_NAME, ReportServicer, register
 from m27.report.decide import ORCHESTRATOR, decide, pick_orchestrator, report_file
+from m27.report.evidence import gather
 from m27.report.files import write_atomic
 from m27.report.render import render_run_report
 from m27.report.store import History
@@ -74,9 +79,16 @@ def fetcher(access: ApiAccess) -> FetchRun:
     return fetch_run
 
 
-def write_report(run: RunRecord, path: Path, *, generated_at: float) -> int:
-    """Render and write atomically (blocking: run it in a thread); returns the bytes written."""
-    text = render_run_report(run, generated_at=generated_at)
+_DRAWING = threading.Lock()  # matplotlib's settings are global while a figure is drawn
+
+
+def write_report(run: RunRecord, path: Path, *, generated_at: float,
+                 history: History | None = None) -> int:
+    """Render (with what `history` holds of the run) and write atomically (blocking: run it
+    in a thread); returns the bytes written."""
+    with _DRAWING:
+        found = gather(history, run) if history is not None else None
+        text = render_run_report(run, generated_at=generated_at, evidence=found)
     write_atomic(path, text)
     return len(text.encode("utf-8"))
 
@@ -85,9 +97,11 @@ class Reporter:
     """Handles the run-state events of the report consumer, one at a time."""
 
     def __init__(self, nats: Bus, out_dir: Path, *, api: str = "",
-                 fetch: FetchRun, clock: Callable[[], float] = time.time) -> None:
+                 fetch: FetchRun, clock: Callable[[], float] = time.time,
+                 history: History | None = None) -> None:
         self._nats = nats
         self.out_dir = out_dir
+        self.history = history
         self._api = api
         self._fetch = fetch
         self._clock = clock
@@ -114,7 +128,8 @@ class Reporter:
             raise RunNotFinished(f"the API at {address} still shows run {run_id} as "
                                  f"{run.state}; retrying")
         path = report_file(self.out_dir, run_id)
-        size = await asyncio.to_thread(write_report, run, path, generated_at=self._clock())
+        size = await asyncio.to_thread(write_report, run, path, generated_at=self._clock(),
+                                       history=self.history)
         ready = events.ReportReady(at=self._clock(), run_id=run_id, path=str(path))
         await self._nats.publish(subjects.run_report(run_id), ready, msg_id=f"{run_id}:report")
         log.info("report.written", path=str(path), state=run.state, steps=len(run.steps),
@@ -154,18 +169,42 @@ class MetricsIn:
     async def handle(self, msg: Msg) -> None:
         batch = bus.decode_or_poison(msg.data, events.decode_metrics)
         problem = metrics_problem(msg.subject, batch) or metrics_problem(
-            msg.subject, batch, await self._fence(batch.task_id))
+            msg.subject, batch, await _fence(self._nats, batch.task_id))
         if problem:
             raise bus.PoisonMessage(f"refused: {problem}")
         await asyncio.to_thread(self.history.add_metrics, batch)
 
-    async def _fence(self, task_id: str) -> Fence | None:
-        """The task's current assignment (None once it is over: its fence is deleted)."""
-        if self._nats is None:
-            return None
-        found = await self._nats.kv_get(subjects.FENCES_BUCKET, subjects.task_key(task_id),
-                                        Fence)
-        return None if found is None else found[0]
+
+class TaskEventsIn:
+    """Keeps what a run report draws on its timeline: each task's committed checkpoints
+    and its training monitor's anomalies (every other task event is acked and left). An
+    event whose sender cannot have sent it is refused (dead-lettered), as by the
+    orchestrator."""
+
+    def __init__(self, history: History, nats: Bus | None = None) -> None:
+        self.history = history
+        self._nats = nats
+
+    async def handle(self, msg: Msg) -> None:
+        event = bus.decode_or_poison(msg.data, events.decode_event)
+        if not isinstance(event, events.CheckpointCommitted | events.TrainingAnomaly):
+            return
+        fence = await _fence(self._nats, event.task_id)
+        problem = sender_problem(msg.subject, event, fence)
+        if problem:
+            raise bus.PoisonMessage(f"refused: {problem}")
+        if isinstance(event, events.CheckpointCommitted):
+            await asyncio.to_thread(self.history.add_checkpoint, event)
+        else:
+            await asyncio.to_thread(self.history.add_anomaly, event)
+
+
+async def _fence(nats: Bus | None, task_id: str) -> Fence | None:
+    """The task's current assignment (None once it is over: its fence is deleted)."""
+    if nats is None:
+        return None
+    found = await nats.kv_get(subjects.FENCES_BUCKET, subjects.task_key(task_id), Fence)
+    return None if found is None else found[0]
 
 
 class TelemetryIn:
@@ -205,9 +244,14 @@ async def serve(rt: ServiceRuntime) -> None:
     await asyncio.to_thread(_ensure_dir, history_path(rt.home).parent)
     history = await asyncio.to_thread(History, history_path(rt.home))
     await rt.connect()
-    await rt.serve_grpc()
-    reporter = Reporter(rt.nats, out_dir, api=rt.args.api or "",
-                        fetch=fetcher(rt.api_access()))
+    fetch = fetcher(rt.api_access())
+    reporter = Reporter(rt.nats, out_dir, api=rt.args.api or "", fetch=fetch,
+                        history=history)
+
+    async def owner_of(run_id: str) -> str:
+        return (await fetch(await reporter.api_address(), run_id)).user
+
+    await rt.serve_grpc([register(ReportServicer(history, owner_of))], [SERVICE_NAME])
     rt.spawn(bus.consume(rt.nats.js, stream=subjects.EVENTS_STREAM,
                          durable=subjects.REPORT_RUN_STATE, filter_subject=subjects.RUN_STATE_ALL,
                          handle=reporter.handle, stop=rt.stop), "run-state")
@@ -220,6 +264,11 @@ async def serve(rt: ServiceRuntime) -> None:
                          filter_subject=subjects.TELEMETRY_ALL,
                          handle=TelemetryIn(history).handle, stop=rt.stop, batch=64),
              "telemetry")
+    rt.spawn(bus.consume(rt.nats.js, stream=subjects.EVENTS_STREAM,
+                         durable=subjects.REPORT_TASK_EVENTS,
+                         filter_subject=subjects.TASK_EVENTS_ALL,
+                         handle=TaskEventsIn(history, rt.nats).handle, stop=rt.stop, batch=64),
+             "task-events")
     rt.spawn(prune_every(history, rt.stop), "history-retention")
     await rt.ready()
     log.info("report.watching", dir=str(out_dir), api=rt.args.api or "discovered")

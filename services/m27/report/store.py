@@ -29,7 +29,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
-from m27.common.events import GpuTelemetry, MetricPoint, MetricPoints
+from m27.common.events import (
+    CheckpointCommitted,
+    GpuTelemetry,
+    MetricPoint,
+    MetricPoints,
+    TrainingAnomaly,
+)
 from m27.common.model import GpuSample, per_gpu_share
 
 #: Rollup tables and their bucket widths (seconds), finest first.
@@ -53,6 +59,15 @@ CREATE TABLE IF NOT EXISTS holding (
     gpu INTEGER NOT NULL, share REAL NOT NULL, first_at REAL NOT NULL, last_at REAL NOT NULL,
     PRIMARY KEY (task_id, attempt, node_id, gpu)) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS holding_gpu ON holding (node_id, gpu, last_at);
+CREATE TABLE IF NOT EXISTS checkpoints (
+    task_id TEXT NOT NULL, checkpoint_id TEXT NOT NULL, attempt INTEGER NOT NULL,
+    at REAL NOT NULL, tstep INTEGER, size INTEGER NOT NULL, new_bytes INTEGER NOT NULL,
+    PRIMARY KEY (task_id, checkpoint_id)) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS anomalies (
+    task_id TEXT NOT NULL, attempt INTEGER NOT NULL, metric TEXT NOT NULL,
+    tstep INTEGER NOT NULL, kind TEXT NOT NULL, at REAL NOT NULL, value REAL,
+    baseline REAL, actions TEXT NOT NULL,
+    PRIMARY KEY (task_id, attempt, metric, tstep, kind)) WITHOUT ROWID;
 """
 #: One metric of one step: a point is left out when a later attempt began at or before it.
 _SERIES: Final = """
@@ -85,6 +100,32 @@ class HeldGpu:
     share: float  # of this GPU
     first_at: float
     last_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointMark:
+    """A checkpoint of a task that became visible (`checkpoint_committed`)."""
+
+    checkpoint_id: str
+    attempt: int
+    at: float
+    train_step: int | None
+    size_bytes: int
+    new_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class AnomalyMark:
+    """What a step's training monitor saw (`training_anomaly`)."""
+
+    attempt: int
+    metric: str
+    train_step: int
+    kind: str
+    at: float
+    value: float  # NaN for NaN
+    baseline: float | None
+    actions: str  # comma-separated
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,12 +217,27 @@ class History:
                 "first_at = min(first_at, excluded.first_at), "
                 "last_at = max(last_at, excluded.last_at)", spans)
 
+    def add_checkpoint(self, event: CheckpointCommitted) -> None:
+        with self._transaction():
+            self.db.execute("INSERT OR IGNORE INTO checkpoints VALUES (?, ?, ?, ?, ?, ?, ?)",
+                            (event.task_id, event.checkpoint_id, event.attempt, event.at,
+                             event.step, event.size_bytes, event.new_bytes))
+
+    def add_anomaly(self, event: TrainingAnomaly) -> None:
+        with self._transaction():
+            self.db.execute(
+                "INSERT OR IGNORE INTO anomalies VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (event.task_id, event.attempt, event.metric, event.train_step, event.kind,
+                 event.at, _value(event.value), event.baseline, ",".join(event.actions)))
+
     def prune(self, before: float) -> None:
         """Forget what is older than `before` (retention; the streams keep their own)."""
         with self._transaction():
             self.db.execute("DELETE FROM gpu WHERE at < ?", (before,))
             self.db.execute("DELETE FROM metrics WHERE at < ?", (before,))
             self.db.execute("DELETE FROM holding WHERE last_at < ?", (before,))
+            self.db.execute("DELETE FROM checkpoints WHERE at < ?", (before,))
+            self.db.execute("DELETE FROM anomalies WHERE at < ?", (before,))
             for table, width in ROLLUPS:
                 self.db.execute(f"DELETE FROM {table} WHERE bucket < ?",  # noqa: S608
                                 (int(before // width),))
@@ -193,6 +249,22 @@ class History:
             return [r[0] for r in self.db.execute(
                 "SELECT DISTINCT name FROM metrics WHERE run_id = ? AND step = ? "
                 "ORDER BY name", (run_id, step))]
+
+    def metric_keys(self, run_id: str) -> list[tuple[str, str]]:
+        """Every (step, metric name) the run has points of, sorted."""
+        with self._lock:
+            return [(r[0], r[1]) for r in self.db.execute(
+                "SELECT DISTINCT step, name FROM metrics WHERE run_id = ? "
+                "ORDER BY step, name", (run_id,))]
+
+    def metric_arrays(self, run_id: str, step: str, name: str
+                      ) -> tuple[list[int], list[float], float]:
+        """One series (as `metric_series`) as steps, values (NaN for NaN) and the wall time
+        of its last point (0 when it has none)."""
+        with self._lock:
+            rows = self.db.execute(_SERIES, (run_id, step, name)).fetchall()
+        return ([r[0] for r in rows], [math.nan if r[2] is None else r[2] for r in rows],
+                rows[-1][1] if rows else 0.0)
 
     def metric_series(self, run_id: str, step: str, name: str) -> list[MetricPoint]:
         """One metric of one step across its attempts, each training step once: an
@@ -212,6 +284,34 @@ class History:
                 "WHERE task_id = ? ORDER BY attempt, first_at, node_id, gpu",
                 (task_id,)).fetchall()
         return [HeldGpu(*row) for row in rows]
+
+    def checkpoints(self, task_id: str) -> list[CheckpointMark]:
+        with self._lock:
+            rows = self.db.execute(
+                "SELECT checkpoint_id, attempt, at, tstep, size, new_bytes FROM checkpoints "
+                "WHERE task_id = ? ORDER BY at, checkpoint_id", (task_id,)).fetchall()
+        return [CheckpointMark(*row) for row in rows]
+
+    def anomalies(self, task_id: str) -> list[AnomalyMark]:
+        with self._lock:
+            rows = self.db.execute(
+                "SELECT attempt, metric, tstep, kind, at, value, baseline, actions "
+                "FROM anomalies WHERE task_id = ? ORDER BY at, metric", (task_id,)).fetchall()
+        return [AnomalyMark(a, m, t, k, at, math.nan if v is None else v, b, acts)
+                for a, m, t, k, at, v, b, acts in rows]
+
+    def gpu_trace(self, node_id: str, gpu: int, since: float, until: float,
+                  max_points: int = 200) -> list[GpuPoint]:
+        """One GPU from `since` to `until`, at most about `max_points` buckets (raw samples:
+        a step's span on one GPU is a short range scan of its primary key)."""
+        width = max((until - since) / max(max_points, 1), RAW_INTERVAL_S)
+        with self._lock:
+            rows = self.db.execute(
+                "SELECT node_id, gpu, CAST((at - ?3) / ?5 + 1e-9 AS INTEGER) AS i, "
+                "count(*), sum(util), max(mem_used), max(temp), total(power), count(power) "
+                "FROM gpu WHERE node_id = ?1 AND gpu = ?2 AND at >= ?3 AND at <= ?4 "
+                "GROUP BY i ORDER BY i", (node_id, gpu, since, until, width)).fetchall()
+        return _points(rows, since, width).get((node_id, gpu), [])
 
     def holders(self, node_id: str, gpu: int, at: float) -> list[HeldGpu]:
         """Who held one GPU at `at` (by the readings before and after it)."""

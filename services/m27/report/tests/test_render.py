@@ -170,7 +170,7 @@ def test_user_strings_are_escaped(field: str, payload: str) -> None:
     """No user-controlled string can add an element or attribute to the report."""
     document = render(HOSTILE_FIELDS[field](payload))
     assert payload not in document
-    assert html.escape(payload) in document
+    assert payload in html.unescape(document)  # shown, as text
     parser = parse(document)
     assert parser.errors == []
     assert not [tag for tag, _ in parser.tags if tag in {"script", "img", "iframe"}]
