@@ -16,7 +16,9 @@ Writes are idempotent (a redelivered message changes nothing): a metric point is
 run, step, attempt, training step and name; a GPU sample by node, GPU and time, and a
 rollup only counts a sample its raw table did not have yet. Who held a GPU is kept as one
 span per task attempt and GPU (first and last reading that showed it there), so "the GPUs
-this step held over its attempts" is an index lookup, not a scan of samples.
+this step held over its attempts" is an index lookup, not a scan of samples. Each task's
+committed checkpoints and training anomalies (from its task events) are what the run
+report marks on its timeline.
 """
 
 from __future__ import annotations
