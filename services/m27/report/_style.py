@@ -80,6 +80,13 @@ pre{background:var(--pre);border:1px solid var(--line);border-radius:6px;padding
 margin:0;overflow:auto;max-height:480px;white-space:pre-wrap;overflow-wrap:anywhere;
 font:12px/1.45 ui-monospace,SFMono-Regular,Menlo,Consolas,monospace}
 footer{color:var(--muted);font-size:12px;text-align:center}
+.figures{display:grid;grid-template-columns:repeat(auto-fill,minmax(380px,1fr));gap:12px 20px}
+figure{margin:0 0 12px}
+figure svg{width:100%;height:auto;background:#fff;border-radius:6px;display:block}
+figcaption{color:var(--muted);font-size:12px}
+ul.outputs{margin:0;padding-left:20px}
+h3.step{font-size:14px;text-transform:none;letter-spacing:0;color:var(--fg)}
+h3.step a{color:inherit}
 @media print{pre{max-height:none}details{break-inside:avoid}}
 """
     + _state_rules()

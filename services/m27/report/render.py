@@ -82,7 +82,8 @@ def render_run_report(run: RunRecord, *, generated_at: float,
         rows=[_row(step) for step in run.steps], results=_results(run, evidence),
         timeline=_html(render_timeline(run, generated_at=generated_at,
                                         marks=_marks(run, evidence))),
-        details=[_detail(run, step, evidence.of(step.name), budget) for step in run.steps],
+        details=[_detail(run, i, step, evidence.of(step.name), budget)
+                 for i, step in enumerate(run.steps)],
         generated=fmt_time(generated_at))
 
 
@@ -191,7 +192,7 @@ def _svg(fig: Any) -> Markup:
     return _html(text[text.find("<svg"):])
 
 
-def _detail(run: RunRecord, step: StepRecord, found: StepEvidence,
+def _detail(run: RunRecord, index: int, step: StepRecord, found: StepEvidence,
             budget: list[int]) -> dict[str, Any]:
     shown = {**step.env, **dict.fromkeys(step.secret_env, MASKED)}
     facts = []
@@ -206,13 +207,15 @@ def _detail(run: RunRecord, step: StepRecord, found: StepEvidence,
         [figures.Curve(label=f"{step.name} · {c.name}", steps=c.steps, values=c.values)],
         metric=c.name)), f"{c.name} by training step ({c.count} points)")
         for c in _take(drawn, budget)]
+    gpu_figures = _gpu_figures(found.gpus, budget, simulated=step.gpu_simulated)
     return {
-        "step": step, "open": step.state in OPEN_STATES, "facts": " · ".join(facts),
+        "index": index, "step": step, "open": step.state in OPEN_STATES,
+        "facts": " · ".join(facts), "drawn": bool(metric_figures or gpu_figures),
         "env": sorted(shown.items()), "outputs": _outputs(run, step),
         "attempts": [_attempt(a) for a in step.history],
         "figures": metric_figures,
         "more_metrics": max(0, len(found.curves) - len(metric_figures)),
-        "gpu_figures": _gpu_figures(found.gpus, budget),
+        "gpu_figures": gpu_figures,
         "checkpoints": [{"at": _time(c.at), "attempt": c.attempt,
                          "step": NO_VALUE if c.train_step is None else c.train_step,
                          "size": _bytes(c.size_bytes), "new": _bytes(c.new_bytes),
@@ -231,9 +234,10 @@ def _take(items: Sequence[Any], budget: list[int]) -> Sequence[Any]:
     return taken
 
 
-def _gpu_figures(traces: Sequence[GpuTrace], budget: list[int]) -> list[_Figure]:
+def _gpu_figures(traces: Sequence[GpuTrace], budget: list[int], *,
+                 simulated: bool) -> list[_Figure]:
     """Utilisation, memory and temperature of the GPUs the step held, over minutes since
-    it first held one; a line per attempt and GPU."""
+    it first held one; a line per attempt and GPU (simulated GPUs say so)."""
     traces = [t for t in traces if t.points]
     if not traces or budget[0] < 3:
         return []
@@ -248,7 +252,9 @@ def _gpu_figures(traces: Sequence[GpuTrace], budget: list[int]) -> list[_Figure]
                                values=[value(p) for p in t.points]) for t in traces]
         out.append(_Figure(_svg(figures.curves(lines, metric=f"{metric} ({unit})",
                                                xlabel="minutes since the step first held "
-                                               "a GPU")), metric))
+                                               "a GPU")),
+                           metric + (" (simulated GPUs: modelled, not measured)"
+                                     if simulated else "")))
     budget[0] -= 3
     return out
 

@@ -322,3 +322,62 @@ def test_gpu_energy_is_shown_and_marked_simulated_when_modelled() -> None:
     assert "2.5 kJ (simulated)" in document
     assert "420 J" in document
     assert "420 J (simulated)" not in document
+
+
+# -- v2: what the history holds of the run ------------------------------------------------
+
+def _evidence(steps: int = 1, metrics: int = 2) -> tuple[RunRecord, Any]:
+    from m27.common.curves import summarize
+    from m27.report.evidence import GpuTrace, RunEvidence, StepEvidence
+    from m27.report.store import AnomalyMark, CheckpointMark, GpuPoint
+
+    names = [f"s{i}" for i in range(steps)]
+    record = run(*(finished(n, type="gpu", gpu_ids=(0,), gpu_share=1.0,
+                            outputs=("out/model.pt", "/abs/path with space.txt"))
+                   for n in names), workdir="/home/alice/exp")
+    points = tuple(GpuPoint(at=T0 + 10 + i, utilization_pct=50.0, memory_used_mb=100,
+                            temperature_c=40.0, power_w=None) for i in range(5))
+    found = {n: StepEvidence(
+        curves=tuple(summarize(n, f"loss{k}" if k else "loss", [0, 1, 2], [2.0, 0.5, 0.7])
+                     for k in range(metrics)),
+        gpus=(GpuTrace(attempt=1, node_id="node-a", gpu=0, share=1.0, first_at=T0 + 10,
+                       last_at=T0 + 15, points=points),),
+        checkpoints=(CheckpointMark(checkpoint_id="c" * 64, attempt=1, at=T0 + 12,
+                                    train_step=1, size_bytes=3 << 20, new_bytes=1 << 20),),
+        anomalies=(AnomalyMark(attempt=1, metric="loss", train_step=1, kind="spike",
+                               at=T0 + 13, value=float("nan"), baseline=0.5,
+                               actions="checkpoint"),)) for n in names}
+    return record, RunEvidence(steps=found)
+
+
+def test_the_report_shows_results_curves_gpus_checkpoints_and_anomalies() -> None:
+    record, found = _evidence()
+    document = render_run_report(record, generated_at=GENERATED, evidence=found)
+    assert parse(document).errors == []
+    assert "<h2>Results</h2>" in document
+    # loss: final 0.7 at step 2, best 0.5 (min) at step 1, over 3 points
+    assert ('<td>loss</td><td class="num">0.7</td><td class="num">2</td>'
+            '<td class="num">0.5 <span class="muted">(min)</span></td>'
+            '<td class="num">1</td><td class="num">3</td>') in document
+    assert "<h2>Curves</h2>" in document
+    assert document.count("<svg") == 1 + 2 + 3  # timeline, two metrics, three GPU panels
+    assert document.count('class="mark checkpoint"') == 1
+    assert document.count('class="mark anomaly"') == 1
+    assert "<title>spike in loss at training step 1</title>" in document
+    assert "<h3>Checkpoints</h3>" in document
+    assert "3.0 MiB" in document
+    assert '<td class="num">NaN</td>' in document  # the anomaly's value
+    assert 'href="file:///home/alice/exp/out/model.pt"' in document
+    assert 'href="file:///abs/path%20with%20space.txt"' in document
+    assert document == render_run_report(record, generated_at=GENERATED, evidence=found)
+
+
+def test_a_report_draws_at_most_its_figure_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    from m27.report import render as module
+    monkeypatch.setattr(module, "MAX_FIGURES", 12)
+    record, found = _evidence(steps=3, metrics=module.MAX_METRIC_FIGURES + 3)
+    document = render_run_report(record, generated_at=GENERATED, evidence=found)
+    assert document.count("<svg") == 1 + 12  # the timeline, and the budget of 12 figures
+    assert "3 more metric(s) in Results, not drawn here." in document
+    # every metric of every step is in the results table all the same
+    assert document.count('<td class="name"><a href="#step-') == 3 + 3 * (8 + 3)  # + steps
