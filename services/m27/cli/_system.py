@@ -1,4 +1,4 @@
-"""`m27 up`, `down`, `status` and `demo`: the embedded system on this machine."""
+"""`m27 up`, `down`, `status`, `dashboard` and `demo`: the embedded system on this machine."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 from typing import Final
+from urllib.parse import quote
 
 import nats.errors
 
@@ -16,6 +17,7 @@ from m27.cli import _watch
 from m27.cli._common import Subparsers, add, config, with_client
 from m27.client import Client
 from m27.common import subjects
+from m27.common.api_auth import default_access
 from m27.common.bus import connect
 from m27.common.config import NatsSection
 from m27.common.errors import M27Error
@@ -36,6 +38,11 @@ def add_commands(sub: Subparsers) -> None:
     add(sub, "down", "stop every process `m27 up` started (runs are kept)", cmd_down)
     status = add(sub, "status", "show what runs on this machine", cmd_status)
     status.add_argument("--json", action="store_true", help="machine-readable output")
+    board = add(sub, "dashboard", "print the live dashboard's address as a link that signs "
+                "you in with your API token (keep it to yourself: it carries the token)",
+                cmd_dashboard)
+    board.add_argument("--url", metavar="URL",
+                       help="the dashboard's address (default: the embedded system's)")
     demo = add(sub, "demo", "bring the system up if needed and run the bundled demo "
                "pipeline (CPU prep → GPU training → GPU-light analysis) to a report", cmd_demo)
     demo.add_argument("--epochs", type=int, default=15,
@@ -66,6 +73,23 @@ def print_up(state: system.EmbeddedState, started: bool) -> None:
     print(f"m27 {verb}: api {state.api}, nats {state.nats_url}, "
           f"{sum(p.name.startswith('node-agent') for p in state.processes)} node(s), "
           f"GPUs {gpus}")
+    if url := system.dashboard_url(state):
+        print(f"dashboard {url} (`m27 dashboard` prints a link that signs you in)")
+
+
+def cmd_dashboard(args: argparse.Namespace) -> int:
+    url = args.url
+    if not url:
+        state = system.read_state(args.home)
+        url = system.dashboard_url(state) if state else ""
+        if not url:
+            raise M27Error(f"no dashboard runs under {args.home}: start the system with "
+                           "`m27 up` ([report] dashboard must not be empty), or pass --url")
+    token = default_access().token
+    if not isinstance(token, str):
+        raise M27Error("this client signs its tokens per call; pass a token in $M27_TOKEN")
+    print(f"{url.rstrip('/')}/?token={quote(token, safe='')}")
+    return 0
 
 
 def cmd_down(args: argparse.Namespace) -> int:
@@ -88,6 +112,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         return 0
     print(f"m27 under {state.home}: api {state.api}, nats {state.nats_url}, GPUs {state.gpus}"
           + (" (simulated)" if state.simulated_gpus else ""))
+    if url := system.dashboard_url(state):
+        print(f"  dashboard {url}")
     for row in system.statuses(state):
         mark = "up  " if row.alive else "DOWN"
         print(f"  {mark} {row.name:<18} pid {row.pid:<8} {row.grpc_address}")

@@ -128,6 +128,8 @@ class CheckpointSection(msgspec.Struct, frozen=True, kw_only=True):
 
 class ReportSection(msgspec.Struct, frozen=True, kw_only=True):
     dir: str = ""  # empty: $M27_HOME/reports
+    #: the live dashboard's HTTP bind (host:port, port 0: any free one); empty: off
+    dashboard: str = "127.0.0.1:0"
 
 
 class ApiSection(msgspec.Struct, frozen=True, kw_only=True):

@@ -306,3 +306,4 @@ class ServiceInfo(msgspec.Struct, frozen=True, kw_only=True):
     started_at: float
     version: str = ""
     metrics_address: str = ""  # Prometheus /metrics, host:port ("" : none)
+    http_address: str = ""  # a web page it serves (the report's dashboard), host:port

@@ -217,6 +217,7 @@ def permissions(who: Principal) -> Permissions:
             *durable_consumer(subjects.TELEMETRY_STREAM, subjects.REPORT_TELEMETRY,
                               subjects.TELEMETRY_ALL),
         )
+        subscribe = (*inbox, subjects.EVENTS_ALL)  # the dashboard's recent events (core)
     return Permissions(publish=publish, subscribe=subscribe)
 
 

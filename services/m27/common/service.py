@@ -134,7 +134,7 @@ class ServiceRuntime:
             task.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
 
-    async def ready(self, metrics_address: str = "") -> None:
+    async def ready(self, metrics_address: str = "", http_address: str = "") -> None:
         """Mark the service ready everywhere that watches for it (with the address of its
         Prometheus /metrics, if it serves one, for scrapers and tests to find)."""
         if self.grpc is None:
@@ -144,13 +144,15 @@ class ServiceRuntime:
         info = ServiceInfo(name=self.name, instance=self.instance,
                            grpc_address=self.grpc.address, pid=os.getpid(),
                            host=socket.gethostname(), started_at=self.started_at,
-                           version=__version__, metrics_address=metrics_address)
+                           version=__version__, metrics_address=metrics_address,
+                           http_address=http_address)
         await self.nats.kv_put(subjects.SERVICES_BUCKET,
                                subjects.service_key(self.name, self.instance), info)
         if self.args.ready_file:
             write_json_atomic(self.args.ready_file,
                               {"name": self.name, "pid": os.getpid(),
-                               "grpc_address": self.grpc.address})
+                               "grpc_address": self.grpc.address,
+                               "http_address": http_address})
         self.is_ready = True
         log.info("service.ready", grpc_address=self.grpc.address)
 

@@ -32,6 +32,7 @@ class ServiceProcess(msgspec.Struct, kw_only=True):
     log_path: str
     ready_file: str
     grpc_address: str = ""
+    http_address: str = ""  # a web page it serves (the report's dashboard)
 
 
 def launch(name: str, module: str, args: Sequence[str], *, log_dir: Path,
@@ -63,6 +64,7 @@ def wait_ready(processes: Sequence[ServiceProcess], timeout: float = 60.0) -> No
             data = _read_ready(Path(proc.ready_file))
             if data is not None and data.get("pid") == proc.pid:
                 proc.grpc_address = str(data.get("grpc_address", ""))
+                proc.http_address = str(data.get("http_address", ""))
                 waiting.remove(proc)
             elif not pid_alive(proc.pid):
                 _reap(proc.pid)

@@ -53,6 +53,14 @@ class ProcessStatus(msgspec.Struct, kw_only=True):
     alive: bool
     grpc_address: str = ""
     log_path: str = ""
+    http_address: str = ""
+
+
+def dashboard_url(state: EmbeddedState) -> str:
+    """The report service's live dashboard (`http://host:port/`), "" when it serves none."""
+    address = next((p.http_address for p in state.processes
+                    if p.name == "report" and p.http_address), "")
+    return f"http://{address}/" if address else ""
 
 
 def state_path(home: Path) -> Path:
@@ -71,7 +79,8 @@ def statuses(state: EmbeddedState) -> list[ProcessStatus]:
                           alive=pid_alive(state.nats_pid), grpc_address="",
                           log_path=str(Path(state.home) / "nats" / "nats.log"))]
     rows += [ProcessStatus(name=p.name, pid=p.pid, alive=pid_alive(p.pid),
-                           grpc_address=p.grpc_address, log_path=p.log_path)
+                           grpc_address=p.grpc_address, log_path=p.log_path,
+                           http_address=p.http_address)
              for p in state.processes]
     return rows
 
@@ -254,6 +263,7 @@ def status_json(state: EmbeddedState, dead_letters: int | None = None) -> str:
         "home": state.home,
         "nats_url": state.nats_url,
         "api": state.api,
+        "dashboard": dashboard_url(state),
         "gpus": state.gpus,
         "simulated_gpus": state.simulated_gpus,
         "up": all(r.alive for r in rows),

@@ -49,14 +49,19 @@ def report_file(out_dir: Path, run_id: str) -> Path:
 
 
 def pick_orchestrator(services: Iterable[tuple[str, ServiceInfo]]) -> str | None:
-    """The gRPC address of the newest registered orchestrator, or None when there is none.
+    """The gRPC address of the newest registered orchestrator, or None when there is none."""
+    return pick_service(services, ORCHESTRATOR)
 
-    A crashed orchestrator leaves its registration behind; the most recently started one is
+
+def pick_service(services: Iterable[tuple[str, ServiceInfo]], name: str) -> str | None:
+    """The gRPC address of the newest registered instance of service `name`, or None.
+
+    A crashed instance leaves its registration behind; the most recently started one is
     the likeliest to be alive. Ties go to the smaller key, so the choice is stable.
     """
     candidates = [
         (-info.started_at, key, info.grpc_address)
         for key, info in services
-        if key.startswith(f"{ORCHESTRATOR}.") and info.grpc_address
+        if key.startswith(f"{name}.") and info.grpc_address
     ]
     return min(candidates)[2] if candidates else None

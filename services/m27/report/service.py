@@ -34,8 +34,17 @@ from m27.common.logging import bound_contextvars, get_logger
 from m27.common.model import TERMINAL_RUN_STATES, Fence, RunRecord, ServiceInfo
 from m27.common.principals import metrics_problem, sender_problem, telemetry_problem
 from m27.common.service import ServiceRuntime
-from m27.report.api import SERVICE_NAME, ReportServicer, register
-from m27.report.decide import ORCHESTRATOR, decide, pick_orchestrator, report_file
+from m27.report.api import SERVICE_NAME, ReportServicer, read_curves, register
+from m27.report.compare import compare, members_of
+from m27.report.compare_page import draw, page
+from m27.report.dashboard import Dashboard
+from m27.report.decide import (
+    ORCHESTRATOR,
+    decide,
+    pick_orchestrator,
+    pick_service,
+    report_file,
+)
 from m27.report.evidence import gather
 from m27.report.files import write_atomic
 from m27.report.render import render_run_report
@@ -140,21 +149,23 @@ class Reporter:
         """The `--api` address, else the newest orchestrator registered in the services KV."""
         if self._api:
             return self._api
-        address = pick_orchestrator(await self._registered_services())
+        address = pick_orchestrator(await registered(self._nats, ORCHESTRATOR))
         if address is None:
             raise NoOrchestrator(f"no orchestrator is registered in "
                                  f"{subjects.SERVICES_BUCKET}; is it running?")
         return address
 
-    async def _registered_services(self) -> list[tuple[str, ServiceInfo]]:
-        found = []
-        for key in await self._nats.kv_keys(subjects.SERVICES_BUCKET):
-            if not key.startswith(f"{ORCHESTRATOR}."):
-                continue
-            entry = await self._nats.kv_get(subjects.SERVICES_BUCKET, key, ServiceInfo)
-            if entry is not None:
-                found.append((key, entry[0]))
-        return found
+
+async def registered(nats: Bus, name: str) -> list[tuple[str, ServiceInfo]]:
+    """The registrations of service `name` in the services KV."""
+    found = []
+    for key in await nats.kv_keys(subjects.SERVICES_BUCKET):
+        if not key.startswith(f"{name}."):
+            continue
+        entry = await nats.kv_get(subjects.SERVICES_BUCKET, key, ServiceInfo)
+        if entry is not None:
+            found.append((key, entry[0]))
+    return found
 
 
 class MetricsIn:
@@ -252,6 +263,7 @@ async def serve(rt: ServiceRuntime) -> None:
         return (await fetch(await reporter.api_address(), run_id)).user
 
     await rt.serve_grpc([register(ReportServicer(history, owner_of))], [SERVICE_NAME])
+    dashboard, http_address = await _start_dashboard(rt, history, out_dir)
     rt.spawn(bus.consume(rt.nats.js, stream=subjects.EVENTS_STREAM,
                          durable=subjects.REPORT_RUN_STATE, filter_subject=subjects.RUN_STATE_ALL,
                          handle=reporter.handle, stop=rt.stop), "run-state")
@@ -270,9 +282,56 @@ async def serve(rt: ServiceRuntime) -> None:
                          handle=TaskEventsIn(history, rt.nats).handle, stop=rt.stop, batch=64),
              "task-events")
     rt.spawn(prune_every(history, rt.stop), "history-retention")
-    await rt.ready()
-    log.info("report.watching", dir=str(out_dir), api=rt.args.api or "discovered")
-    await rt.stop.wait()
+    await rt.ready(http_address=http_address)
+    log.info("report.watching", dir=str(out_dir), api=rt.args.api or "discovered",
+             dashboard=f"http://{http_address}/" if http_address else "off")
+    try:
+        await rt.stop.wait()
+    finally:
+        if dashboard is not None:
+            await dashboard.stop()
+
+
+async def _start_dashboard(rt: ServiceRuntime, history: History, out_dir: Path
+                           ) -> tuple[Dashboard | None, str]:
+    """The live dashboard on `[report] dashboard` (off when empty), fed with every bus
+    event; (it, its address)."""
+    bind = rt.config.report.dashboard
+    if not bind:
+        return None, ""
+    nats = rt.nats
+
+    async def locate(name: str) -> str:
+        address = (rt.args.api if name == ORCHESTRATOR and rt.args.api else
+                   pick_service(await registered(nats, name), name))
+        if not address:
+            raise Unavailable(f"no {name} is registered in {subjects.SERVICES_BUCKET}")
+        return address
+
+    async def comparison(run: RunRecord) -> str:
+        return await asyncio.to_thread(compare_html, history, run)
+
+    dashboard = Dashboard(history, rt.api_keys, rt.api_access(), locate, out_dir, comparison)
+    address = await dashboard.start(bind)
+
+    async def on_event(msg: Msg) -> None:
+        dashboard.on_event(msg)
+
+    await nats.nc.subscribe(subjects.EVENTS_ALL, cb=on_event)
+    return dashboard, address
+
+
+def compare_html(history: History, run: RunRecord) -> str:
+    """The comparison page of one run (its sweep's members), from the history (blocking)."""
+    curves = read_curves(history, run.run_id, set(), set(), 2000)
+    members = members_of([run], {run.run_id: curves})
+    if not members:
+        raise NotFoundError(f"run {run.run_id} logged no metrics to compare")
+    comparison = compare(members)
+    with _DRAWING:
+        drawn = draw(comparison, members)
+        return page(comparison, drawn, title=run.run_id, generated=time.strftime(
+            "%Y-%m-%d %H:%M:%S UTC", time.gmtime()))
 
 
 def _ensure_dir(path: Path) -> None:
