@@ -21,7 +21,8 @@ from m27.report.store import GpuPoint
 
 MAX_EVENTS: Final = 200
 MAX_HOURS: Final = 72.0
-POINTS_PER_GPU: Final = 120
+POINTS_PER_GPU: Final = 120  # per GPU and span: what a chart a few hundred pixels wide shows
+MAX_POINTS_PER_GPU: Final = 1000
 
 
 class GpuSeries(msgspec.Struct, frozen=True, kw_only=True):
@@ -135,3 +136,12 @@ def hours_asked(text: str | None) -> float:
     if not value > 0 or value == float("inf"):
         return 1.0
     return min(value, MAX_HOURS)
+
+
+def points_asked(text: str | None) -> int:
+    """`?points=` as used: `POINTS_PER_GPU` when absent or not a number, kept in 10..1000."""
+    try:
+        value = int(text) if text else POINTS_PER_GPU
+    except ValueError:
+        return POINTS_PER_GPU
+    return min(max(value, 10), MAX_POINTS_PER_GPU)

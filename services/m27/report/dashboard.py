@@ -2,8 +2,10 @@
 endpoints for the same data, and server-sent events that keep the page live.
 
     GET /                      the page (Jinja2; uPlot vendored under /static, no build step)
-    GET /api/state?hours=6     `board.State` as JSON: GPU curves, queue, running, runs, events
-    GET /api/stream?hours=6    text/event-stream: `state` every `interval` s, `event` per bus event
+    GET /api/state?hours=1&points=120   `board.State` as JSON: GPU curves (at most `points`
+                               per GPU), queue, running, runs, events
+    GET /api/stream?hours=1    text/event-stream: `state` every `interval` s, `event` per bus
+                               event (`points` as for /api/state)
     GET /reports/<run>.html    a run's report; GET /compare/<run>: its comparison page
 
 Who may look: anyone with a valid m27 API token — as `Authorization: Bearer`, or once as
@@ -171,7 +173,8 @@ class Dashboard:
                             headers={"Cache-Control": "max-age=86400"})
 
     async def state_json(self, request: web.Request) -> web.Response:
-        state = await self.state(request["who"], board.hours_asked(request.query.get("hours")))
+        state = await self.state(request["who"], board.hours_asked(request.query.get("hours")),
+                                 board.points_asked(request.query.get("points")))
         return web.Response(body=msgspec.json.encode(state), content_type="application/json",
                             headers={"Cache-Control": "no-store"})
 
@@ -180,6 +183,7 @@ class Dashboard:
             raise web.HTTPServiceUnavailable(text="too many open dashboards")
         who: Identity = request["who"]
         hours = board.hours_asked(request.query.get("hours"))
+        points = board.points_asked(request.query.get("points"))
         response = web.StreamResponse(headers={
             "Content-Type": "text/event-stream", "Cache-Control": "no-store",
             "X-Accel-Buffering": "no"})
@@ -190,7 +194,7 @@ class Dashboard:
             next_state = 0.0
             while True:
                 if time.monotonic() >= next_state:
-                    state = await self.state(who, hours)
+                    state = await self.state(who, hours, points)
                     await response.write(_sse("state", msgspec.json.encode(state)))
                     next_state = time.monotonic() + self.interval_s
                 with contextlib.suppress(TimeoutError):
@@ -240,11 +244,12 @@ class Dashboard:
 
     # -------------------------------------------------------------- data
 
-    async def state(self, who: Identity, hours: float) -> board.State:
+    async def state(self, who: Identity, hours: float,
+                    points: int = board.POINTS_PER_GPU) -> board.State:
         now = time.time()
         problems: list[str] = []
         history = await asyncio.to_thread(self.history.gpu_history, now - hours * 3600.0,
-                                          now, board.POINTS_PER_GPU)
+                                          now, points)
         waiting: list[board.Task] = []
         running: list[board.Task] = []
         try:

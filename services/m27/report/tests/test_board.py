@@ -64,3 +64,9 @@ def test_hours_asked_is_always_a_window_the_store_can_answer(text: str | None) -
     hours = board.hours_asked(text)
     assert 0 < hours <= board.MAX_HOURS
     assert math.isfinite(hours)
+
+
+def test_points_asked_is_bounded() -> None:
+    assert [board.points_asked(t) for t in (None, "", "x", "5", "500", "99999")] == [
+        board.POINTS_PER_GPU, board.POINTS_PER_GPU, board.POINTS_PER_GPU, 10, 500,
+        board.MAX_POINTS_PER_GPU]
