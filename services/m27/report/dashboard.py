@@ -201,8 +201,8 @@ class Dashboard:
                     line = await asyncio.wait_for(
                         queue.get(), max(0.05, next_state - time.monotonic()))
                     await response.write(_sse("event", msgspec.json.encode(line)))
-        except (ConnectionResetError, asyncio.CancelledError):
-            pass
+        except ConnectionResetError:
+            pass  # the page was closed
         finally:
             self.listeners.discard(queue)
         return response
