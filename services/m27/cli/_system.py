@@ -167,6 +167,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
             print("m27: the report service wrote no report in time; see `m27 status`",
                   file=sys.stderr)
             return 1
+        print(f"its curves as tables and figures: m27 compare {run_id} -o {workdir}/compare;"
+              " the cluster live: m27 dashboard", flush=True)
         return _watch.exit_code_for(run)
 
     args.api = state.api
