@@ -168,7 +168,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
                   file=sys.stderr)
             return 1
         print(f"its curves as tables and figures: m27 compare {run_id} -o {workdir}/compare;"
-              " the cluster live: m27 dashboard", flush=True)
+              " the cluster live: m27 dashboard", file=sys.stderr)
         return _watch.exit_code_for(run)
 
     args.api = state.api
