@@ -80,11 +80,17 @@ def test_each_record_and_command_has_exactly_its_one_writer() -> None:
 
 
 def test_no_one_but_the_scheduler_and_the_admin_may_subscribe_to_heartbeats() -> None:
+    """Core subscriptions beyond a principal's own inbox: the scheduler's heartbeats and
+    node events, the orchestrator's secrets requests, and the report's events (the
+    dashboard's recent events: what every event subscriber may read) — nothing else."""
     for who in EVERYONE:
         allowed = permissions(who).subscribe
         assert all(s.startswith(who.inbox + ".") or who.role == "scheduler"
                    or (who.role, s) == ("orchestrator", subjects.SECRETS_REQUEST)
+                   or (who.role, s) == ("report", subjects.EVENTS_ALL)
                    for s in allowed), who.name
+    hearing = {who.name for who in EVERYONE if may_subscribe(who, subjects.heartbeat("gpu-1"))}
+    assert hearing == {"scheduler"}
 
 
 def may_subscribe(who: Principal, subject: str) -> bool:
