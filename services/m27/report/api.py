@@ -17,7 +17,7 @@ import grpc
 
 from m27.common import api_access
 from m27.common.api_auth import caller
-from m27.common.curves import Curve, points_asked, summarize
+from m27.common.curves import Curve, points_asked
 from m27.common.errors import InvalidRequest, M27Error, NotFoundError, PermissionDenied
 from m27.common.grpc_server import Register, refuse
 from m27.common.ids import is_valid_run_id
@@ -46,20 +46,6 @@ def curve_to_proto(curve: Curve) -> pb.MetricSeries:
     return message
 
 
-def read_curves(history: History, run_id: str, steps: set[str], names: set[str],
-                max_points: int) -> list[Curve]:
-    """The run's curves (blocking: SQLite), filtered, each thinned to `max_points`."""
-    out: list[Curve] = []
-    for step, name in history.metric_keys(run_id):
-        if (steps and step not in steps) or (names and name not in names):
-            continue
-        if len(out) == MAX_SERIES:
-            break
-        xs, ys, last_at = history.metric_arrays(run_id, step, name)
-        out.append(summarize(step, name, xs, ys, last_at, max_points))
-    return out
-
-
 class ReportServicer(pb_grpc.ReportServiceServicer):
     def __init__(self, history: History, owner_of: OwnerOf) -> None:
         self.history = history
@@ -82,9 +68,10 @@ class ReportServicer(pb_grpc.ReportServiceServicer):
         problem = api_access.run_problem(caller(), owner, run_id, acting=False)
         if problem:
             await refuse(context, PermissionDenied(problem))
-        curves = await asyncio.to_thread(read_curves, self.history, run_id,
-                                         set(request.steps), set(request.names),
-                                         points_asked(request.max_points))
+        curves = await asyncio.to_thread(self.history.curves, run_id,
+                                         steps=set(request.steps), names=set(request.names),
+                                         max_points=points_asked(request.max_points),
+                                         limit=MAX_SERIES)
         return pb.GetMetricsResponse(series=[curve_to_proto(c) for c in curves])
 
     async def owner(self, run_id: str) -> str:

@@ -39,15 +39,12 @@ from m27.common import api_access, events
 from m27.common.api_auth import ApiAccess, Keys
 from m27.common.errors import M27Error
 from m27.common.ids import is_valid_run_id
-from m27.common.logging import get_logger
 from m27.common.model import RunRecord
 from m27.common.tokens import Identity
 from m27.report import board
 from m27.report._style import CSS
 from m27.report.decide import report_file
 from m27.report.store import History
-
-log = get_logger()
 
 COOKIE: Final = "m27_token"
 MAX_STREAMS: Final = 64  # open event streams at once; more get 503
@@ -73,6 +70,10 @@ class Dashboard:
         self.recent: deque[board.Event] = deque(maxlen=board.MAX_EVENTS)
         self.listeners: set[asyncio.Queue[board.Event]] = set()
         self.runner: web.AppRunner | None = None
+        #: (hours, points) → (when read, the GPU curves): every open page asks for the same
+        #: window each interval; one query of the history serves them all
+        self._gpus: dict[tuple[float, int], tuple[float, list[board.GpuSeries]]] = {}
+        self._gpus_lock = asyncio.Lock()
 
     # -------------------------------------------------------------- lifecycle
 
@@ -248,8 +249,7 @@ class Dashboard:
                     points: int = board.POINTS_PER_GPU) -> board.State:
         now = time.time()
         problems: list[str] = []
-        history = await asyncio.to_thread(self.history.gpu_history, now - hours * 3600.0,
-                                          now, points)
+        gpus = await self._gpu_curves(now, hours, points)
         waiting: list[board.Task] = []
         running: list[board.Task] = []
         try:
@@ -270,9 +270,24 @@ class Dashboard:
             runs = board.runs(summaries, reported=reported)
         except M27Error as exc:
             problems.append(f"runs: {exc}")
-        return board.State(now=now, hours=hours, simulated=simulated,
-                           gpus=board.gpu_series(history), waiting=waiting, running=running,
-                           runs=runs, events=list(self.recent)[-50:], problems=problems)
+        return board.State(now=now, hours=hours, simulated=simulated, gpus=gpus,
+                           waiting=waiting, running=running, runs=runs,
+                           events=list(self.recent)[-50:], problems=problems)
+
+    async def _gpu_curves(self, now: float, hours: float,
+                          points: int) -> list[board.GpuSeries]:
+        """Every GPU over the window, read at most once per interval for all open pages
+        (at 1,000 GPUs one read is most of a second of SQLite)."""
+        key = (hours, points)
+        async with self._gpus_lock:
+            cached = self._gpus.get(key)
+            if cached is not None and now - cached[0] < self.interval_s / 2:
+                return cached[1]
+            found = board.gpu_series(await asyncio.to_thread(
+                self.history.gpu_history, now - hours * 3600.0, now, points))
+            self._gpus = {k: v for k, v in self._gpus.items() if now - v[0] < self.interval_s}
+            self._gpus[key] = (now, found)
+            return found
 
 
 def _sse(kind: str, data: bytes) -> bytes:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Final
 
-from m27.common.curves import Curve, summarize
+from m27.common.curves import Curve
 from m27.common.model import RunRecord
 from m27.report.store import AnomalyMark, CheckpointMark, GpuPoint, History
 
@@ -55,16 +55,13 @@ class RunEvidence:
 
 def gather(history: History, run: RunRecord) -> RunEvidence:
     """Everything the report draws for `run`, from `history`."""
-    keys: dict[str, list[str]] = {}
-    for step_name, name in history.metric_keys(run.run_id):
-        keys.setdefault(step_name, []).append(name)
+    by_step: dict[str, list[Curve]] = {}
+    for curve in history.curves(run.run_id, max_points=CURVE_POINTS, limit=10_000):
+        by_step.setdefault(curve.step, []).append(curve)
     out: dict[str, StepEvidence] = {}
     for step in run.steps:
         task_id = f"{run.run_id}/{step.name}"
-        curves = []
-        for name in keys.get(step.name, [])[:MAX_CURVES_PER_STEP]:
-            xs, ys, last_at = history.metric_arrays(run.run_id, step.name, name)
-            curves.append(summarize(step.name, name, xs, ys, last_at, CURVE_POINTS))
+        curves = by_step.get(step.name, [])[:MAX_CURVES_PER_STEP]
         gpus = tuple(
             GpuTrace(attempt=h.attempt, node_id=h.node_id, gpu=h.gpu, share=h.share,
                      first_at=h.first_at, last_at=h.last_at,

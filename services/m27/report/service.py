@@ -34,7 +34,7 @@ from m27.common.logging import bound_contextvars, get_logger
 from m27.common.model import TERMINAL_RUN_STATES, Fence, RunRecord, ServiceInfo
 from m27.common.principals import metrics_problem, sender_problem, telemetry_problem
 from m27.common.service import ServiceRuntime
-from m27.report.api import SERVICE_NAME, ReportServicer, read_curves, register
+from m27.report.api import SERVICE_NAME, ReportServicer, register
 from m27.report.compare import compare, members_of
 from m27.report.compare_page import draw, page
 from m27.report.dashboard import Dashboard
@@ -323,7 +323,7 @@ async def _start_dashboard(rt: ServiceRuntime, history: History, out_dir: Path
 
 def compare_html(history: History, run: RunRecord) -> str:
     """The comparison page of one run (its sweep's members), from the history (blocking)."""
-    curves = read_curves(history, run.run_id, set(), set(), 2000)
+    curves = history.curves(run.run_id)
     members = members_of([run], {run.run_id: curves})
     if not members:
         raise NotFoundError(f"run {run.run_id} logged no metrics to compare")

@@ -26,11 +26,12 @@ from __future__ import annotations
 import math
 import sqlite3
 import threading
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
+from m27.common.curves import DEFAULT_POINTS, Curve, summarize
 from m27.common.events import (
     CheckpointCommitted,
     GpuTelemetry,
@@ -267,6 +268,20 @@ class History:
             rows = self.db.execute(_SERIES, (run_id, step, name)).fetchall()
         return ([r[0] for r in rows], [math.nan if r[2] is None else r[2] for r in rows],
                 rows[-1][1] if rows else 0.0)
+
+    def curves(self, run_id: str, *, steps: Collection[str] = (), names: Collection[str] = (),
+               max_points: int = DEFAULT_POINTS, limit: int = 2000) -> list[Curve]:
+        """The run's curves (only these steps and names, when given), each summarised over
+        every point and thinned to `max_points`; at most `limit` of them."""
+        out: list[Curve] = []
+        for step, name in self.metric_keys(run_id):
+            if (steps and step not in steps) or (names and name not in names):
+                continue
+            if len(out) == limit:
+                break
+            xs, ys, last_at = self.metric_arrays(run_id, step, name)
+            out.append(summarize(step, name, xs, ys, last_at, max_points))
+        return out
 
     def metric_series(self, run_id: str, step: str, name: str) -> list[MetricPoint]:
         """One metric of one step across its attempts, each training step once: an

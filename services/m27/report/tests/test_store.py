@@ -159,3 +159,22 @@ def test_a_span_is_the_first_and_last_reading_that_showed_it(
         assert {(h.attempt, h.gpu): (h.first_at, h.last_at)
                 for h in history.held_gpus(task)} == {
             k: (min(v), max(v)) for k, v in expected.items()}
+
+
+def test_curves_are_the_series_summarised_filtered_and_capped(history: History) -> None:
+    history.add_metrics(batch(1, list(range(50))))
+    history.add_metrics(batch(2, list(range(40, 60)), offset=1))  # resumed at step 40
+    other = MetricPoints(at=0.0, task_id=f"{RUN}/eval", run_id=RUN, step="eval", attempt=1,
+                         node_id="n1", offset=0,
+                         points=(MetricPoint(step=0, at=0.0, values={"acc": 0.5, "loss": 1.0}),))
+    history.add_metrics(other)
+    [train] = history.curves(RUN, steps={"train"}, max_points=10)
+    assert (train.step, train.name, train.count, train.last, train.last_step) == (
+        "train", "loss", 60, 2059.0, 59)
+    assert train.min == (1000.0, 0)  # over every point, not the ten drawn
+    assert len(train.steps) <= 10
+    assert [(c.step, c.name) for c in history.curves(RUN)] == [
+        ("eval", "acc"), ("eval", "loss"), ("train", "loss")]
+    assert [c.name for c in history.curves(RUN, names={"acc"})] == ["acc"]
+    assert len(history.curves(RUN, limit=2)) == 2
+    assert history.curves("r-20000101-000000-000000") == []
