@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import socket
@@ -11,6 +12,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from m27.common.bus import connect
 
 pytestmark = pytest.mark.integration
 
@@ -49,7 +52,10 @@ def test_sigterm_while_waiting_for_nats_stops_at_once(tmp_path: Path) -> None:
     proc = subprocess.Popen(
         [sys.executable, "-m", "m27.scheduler", "--nats", f"nats://127.0.0.1:{closed_port()}",
          "--log-json"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    time.sleep(1.5)
+    assert proc.stdout is not None
+    for line in proc.stdout:  # it is in the connect loop once nats-py has failed once
+        if '"nats.error"' in line:
+            break
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=10)
     assert proc.returncode == 0, out
@@ -67,3 +73,20 @@ def test_a_bad_config_value_is_one_line_naming_the_key(tmp_path: Path) -> None:
     assert proc.stderr.strip().splitlines() == [
         f"m27.checkpoint-store: {config}: [checkpoint] compression_level = '40': "
         "expected `int` <= 22"]
+
+
+@pytest.mark.parametrize("delay_s", [0.0, 0.05, 0.3, 0.8])
+def test_a_cancelled_connect_leaves_nothing_running(delay_s: float) -> None:
+    """A service told to stop while it waits for NATS must not leave nats-py's retry loop
+    behind: asyncio.run would wait on it at exit, and the process would never end."""
+    async def scenario() -> list[asyncio.Task[object]]:
+        waiting = asyncio.ensure_future(
+            connect(f"nats://127.0.0.1:{closed_port()}", name="t", timeout=60))
+        await asyncio.sleep(delay_s)
+        waiting.cancel()
+        done, _ = await asyncio.wait({waiting}, timeout=5)
+        assert done, "connect() did not stop when cancelled"
+        assert waiting.cancelled()
+        return [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+
+    assert asyncio.run(scenario()) == []

@@ -147,12 +147,14 @@ async def connect(url: str, *, name: str, timeout: float = 10.0,
             **secure,  # type: ignore[arg-type,unused-ignore]
         ))
         waiting: set[asyncio.Future[object]] = {attempt, refusal}  # type: ignore[arg-type]
-        await asyncio.wait(waiting, timeout=max(0.5, deadline - loop.time()),
-                           return_when=asyncio.FIRST_COMPLETED)
+        try:
+            await asyncio.wait(waiting, timeout=max(0.5, deadline - loop.time()),
+                               return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            await _abandon(attempt)  # told to stop while waiting: leave nothing running
+            raise
         if not attempt.done():
-            attempt.cancel()
-            with contextlib.suppress(BaseException):
-                await attempt
+            await _abandon(attempt)
             if refusal.done():
                 raise BusError(f"NATS at {url} refused {name}'s credentials "
                                f"({_credentials(access)}): {refusal.result()}")
@@ -172,6 +174,25 @@ async def connect(url: str, *, name: str, timeout: float = 10.0,
     reason = str(last_error) or type(last_error).__name__
     raise BusError(f"cannot reach NATS at {url} within {timeout:.0f}s ({reason}); is "
                    "nats-server running there? (`m27 up` starts one)")
+
+
+async def _abandon(attempt: asyncio.Future[NatsClient]) -> None:
+    """Stop a connection attempt for good. nats-py's retry loop can swallow a single
+    cancellation (one arriving as a refused connect completes is lost in `wait_for`), and
+    a task left retrying would hang the service's shutdown, so cancel until it is done.
+    Our own cancellation during this is held back until the attempt is gone."""
+    cancelled = False
+    while not attempt.done():
+        attempt.cancel()
+        try:
+            await asyncio.wait({attempt}, timeout=0.1)
+        except asyncio.CancelledError:
+            cancelled = True
+    if not attempt.cancelled() and attempt.exception() is None:
+        with contextlib.suppress(Exception):  # it connected just as we gave up on it
+            await attempt.result().close()
+    if cancelled:
+        raise asyncio.CancelledError
 
 
 def _refused(exc: BaseException) -> bool:
