@@ -165,6 +165,48 @@ class ClientSection(msgspec.Struct, frozen=True, kw_only=True):
     token_file: str = ""
 
 
+class NotifySection(msgspec.Struct, frozen=True, kw_only=True):
+    """Notifications (docs/notifications.md): which events go to which channel."""
+
+    # One rule per line (or `;`-separated): `KINDS [user=A,B] [run=GLOB] -> CHANNEL[:TO]`,
+    # e.g. `run_failed training_anomaly user=alice -> email:alice@lab.example`. Empty: the
+    # default rule, run ends, anomalies, lost nodes and leaks to every configured channel
+    # (the webhook, email_to).
+    rules: str = ""
+    # One JSON POST per notification (`type`, `run_id`, `state`, `user`, `text`, ...).
+    webhook: str = ""
+    webhook_timeout: Duration = 10.0
+    # E-mail over SMTP: the server, who sends, the default recipients (comma-separated).
+    smtp_host: str = ""
+    smtp_port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 0  # 0: 587 with starttls, else 25
+    smtp_user: str = ""
+    smtp_password_file: str = ""  # a file holding the password (never the password itself)
+    smtp_starttls: bool = False
+    smtp_tls: bool = False  # implicit TLS (port 465)
+    email_from: str = ""
+    email_to: str = ""
+    # A queued task waiting longer than this: `task_waiting` (0: never).
+    waiting_after: Duration = 3600.0
+    # A GPU at or above this temperature (°C): `gpu_hot`, at most once an hour per GPU.
+    gpu_hot_c: Annotated[float, msgspec.Meta(ge=0.0, le=150.0)] = 85.0
+
+
+class TelegramSection(msgspec.Struct, frozen=True, kw_only=True):
+    """The Telegram bot (docs/telegram.md)."""
+
+    token: str = ""  # BotFather's token; prefer token_file or $M27_TELEGRAM_TOKEN
+    token_file: str = ""
+    # The Bot API server's root: the bot calls {api_url}/bot{token}/{method}.
+    api_url: str = "https://api.telegram.org"
+    # `<telegram user id>:<m27 user>,...`: who may use the bot, as whom. Nobody else.
+    allowed_users: str = ""
+    # Empty: long polling. Else the public HTTPS URL Telegram posts updates to, served on
+    # webhook_bind, each checked against the secret in webhook_secret_file.
+    webhook_url: str = ""
+    webhook_bind: str = "127.0.0.1:8443"
+    webhook_secret_file: str = ""
+
+
 class Config(msgspec.Struct, frozen=True, kw_only=True):
     nats: NatsSection = NatsSection()
     node: NodeSection = NodeSection()
@@ -174,6 +216,8 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
     report: ReportSection = ReportSection()
     api: ApiSection = ApiSection()
     client: ClientSection = ClientSection()
+    notify: NotifySection = NotifySection()
+    telegram: TelegramSection = TelegramSection()
 
 
 class LoadedConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -334,7 +378,16 @@ def node_id_default() -> str:
     return host[:100] or "node"
 
 
+#: Keys whose values are secrets: shown as "(set)" wherever the config is printed or logged.
+#: (A webhook URL often carries its own secret, as Slack's and Teams' do.)
+SECRET_KEYS: Final = frozenset({("telegram", "token"), ("notify", "webhook")})
+
+
 def effective(config: Config) -> dict[str, Any]:
-    """The config as plain data, for the log line every service writes at start."""
+    """The config as plain data, for the log line every service writes at start (secrets
+    are only said to be set, never shown)."""
     result: dict[str, Any] = msgspec.to_builtins(config)
+    for section, key in SECRET_KEYS:
+        if result.get(section, {}).get(key):
+            result[section][key] = "(set)"
     return result

@@ -25,12 +25,12 @@ from m27.common import events, subjects
 from m27.common.model import Fence
 
 Role = Literal["admin", "orchestrator", "scheduler", "node-agent", "checkpoint-store",
-               "report", "status"]
+               "report", "telegram", "status"]
 ROLES: Final[tuple[Role, ...]] = ("admin", "orchestrator", "scheduler", "node-agent",
-                                  "checkpoint-store", "report", "status")
+                                  "checkpoint-store", "report", "telegram", "status")
 #: The services' roles, each one principal per deployment (node-agents: one per node).
 SERVICE_ROLES: Final[tuple[Role, ...]] = ("orchestrator", "scheduler", "checkpoint-store",
-                                          "report")
+                                          "report", "telegram")
 NODE_ID: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,99}")
 API: Final = "$JS.API"
 
@@ -203,11 +203,22 @@ def permissions(who: Principal) -> Permissions:
             *kv_read(subjects.FENCES_BUCKET),
             *service_entry("checkpoint-store"),
         )
+    elif who.role == "telegram":
+        publish = (
+            *look,
+            *kv_write(subjects.SUBSCRIPTIONS_BUCKET), *kv_read(subjects.SUBSCRIPTIONS_BUCKET),
+            *service_entry("telegram"),
+        )
     else:  # report
         publish = (
             *look,
             subjects.RUN_REPORT_ALL,
             *service_entry("report"),
+            *durable_consumer(event_stream, subjects.REPORT_NOTIFY, subjects.EVENTS_ALL),
+            *durable_consumer(subjects.TELEMETRY_STREAM, subjects.REPORT_NOTIFY_TELEMETRY,
+                              subjects.TELEMETRY_ALL),
+            *kv_read(subjects.SUBSCRIPTIONS_BUCKET), *kv_read(subjects.TASKS_BUCKET),
+            *kv_write(subjects.NOTIFIED_BUCKET), *kv_read(subjects.NOTIFIED_BUCKET),
             *durable_consumer(event_stream, subjects.REPORT_RUN_STATE, subjects.RUN_STATE_ALL),
             *durable_consumer(event_stream, subjects.REPORT_TASK_EVENTS,
                               subjects.TASK_EVENTS_ALL),

@@ -196,6 +196,10 @@ REPORT_RUN_STATE: Final = "report-run-state"
 REPORT_METRICS: Final = "report-metrics"
 REPORT_TELEMETRY: Final = "report-telemetry"
 REPORT_TASK_EVENTS: Final = "report-task-events"  # checkpoints and anomalies, for reports
+#: Notifications (the report service's notifier): every event, matched against the rules.
+REPORT_NOTIFY: Final = "report-notify"
+#: ... and the GPU readings, for too-hot GPUs.
+REPORT_NOTIFY_TELEMETRY: Final = "report-notify-telemetry"
 
 
 def node_command_consumer(node_id: str) -> str:
@@ -213,6 +217,11 @@ CACHE_BUCKET: Final = "m27_cache"
 FENCES_BUCKET: Final = "m27_fences"
 MAINTENANCE_BUCKET: Final = "m27_maintenance"
 SECRETS_BUCKET: Final = "m27_secrets"
+SUBSCRIPTIONS_BUCKET: Final = "m27_subscriptions"
+NOTIFIED_BUCKET: Final = "m27_notified"
+#: How long a delivered notification is remembered (a redelivery older than this could be
+#: sent again; the events stream keeps 30 days, but a consumer is never that far behind).
+NOTIFIED_TTL_S: Final = 7 * 86400.0
 #: How long a run's secret values are kept at most (they are deleted sooner, when the
 #: run succeeds): a failed or cancelled run can be retried within this time.
 SECRETS_TTL_S: Final = 30 * 86400.0
@@ -265,7 +274,24 @@ BUCKETS: Final[tuple[BucketSpec, ...]] = (
         "environment values; node-agents ask for a step's on SECRETS_REQUEST.",
         max_value_size=512 * 1024, ttl_s=SECRETS_TTL_S, visible_to=("orchestrator",),
     ),
+    BucketSpec(
+        name=SUBSCRIPTIONS_BUCKET,
+        description="Telegram bot: telegram.<chat_id> → what that chat subscribed to "
+        "(notifications.Subscription); the report service's notifier reads it.",
+        max_value_size=64 * 1024,
+    ),
+    BucketSpec(
+        name=NOTIFIED_BUCKET,
+        description="Report (notifier): delivery id → sending or sent, so a redelivered "
+        "or repeated event never notifies twice.",
+        max_value_size=4 * 1024, ttl_s=NOTIFIED_TTL_S,
+    ),
 )
+
+
+def subscription_key(channel: str, target: str) -> str:
+    """Where one chat's (one target's) subscription is kept."""
+    return f"{channel}.{target}"
 
 
 def secret_key(run_id: str, index: int, nonce: str) -> str:
