@@ -110,7 +110,7 @@ def kinds_of(words: Iterable[str], where: str) -> tuple[NoticeKind, ...]:
         if expanded is None:
             raise ValueError(f"{where}: unknown notification kind {word!r} (known: "
                              f"{', '.join((*NOTICE_KINDS, *ALIASES))})")
-        found.extend(kind for kind in expanded if kind not in found)  # type: ignore[misc]
+        found.extend(kind for kind in expanded if kind not in found)
     return tuple(found)
 
 
@@ -129,7 +129,9 @@ def _parse_rule(line: str, where: str) -> list[Rule]:
     left, arrow, right = line.partition("->")
     if not arrow:
         raise ValueError(f"{where}: expected `KINDS [user=..] [run=..] -> CHANNEL[:TO]`")
-    words, users, runs = [], (), ()
+    words: list[str] = []
+    users: tuple[str, ...] = ()
+    runs: tuple[str, ...] = ()
     for word in left.split():
         name, eq, value = word.partition("=")
         if not eq:
@@ -150,10 +152,10 @@ def _parse_rule(line: str, where: str) -> list[Rule]:
         if channel not in CHANNELS:
             raise ValueError(f"{where}: unknown channel {channel!r} (known: "
                              f"{', '.join(CHANNELS)})")
-        problem = target_problem(channel, target.strip())  # type: ignore[arg-type]
+        problem = target_problem(channel, target.strip())
         if problem:
             raise ValueError(f"{where}: {problem}")
-        rules.append(Rule(kinds=kinds, channel=channel,  # type: ignore[arg-type]
+        rules.append(Rule(kinds=kinds, channel=channel,
                           target=target.strip(), users=users, runs=runs))
     return rules
 

@@ -34,7 +34,9 @@ from m27.common.logging import bound_contextvars, get_logger
 from m27.common.model import TERMINAL_RUN_STATES, Fence, RunRecord, ServiceInfo
 from m27.common.principals import metrics_problem, sender_problem, telemetry_problem
 from m27.common.service import ServiceRuntime
+from m27.report import phone
 from m27.report.api import SERVICE_NAME, ReportServicer, register
+from m27.report.channels import make_channels
 from m27.report.compare import compare, members_of
 from m27.report.compare_page import draw, page
 from m27.report.dashboard import Dashboard
@@ -47,6 +49,7 @@ from m27.report.decide import (
 )
 from m27.report.evidence import gather
 from m27.report.files import write_atomic
+from m27.report.notify import Notifier, describe_rules
 from m27.report.render import render_run_report
 from m27.report.store import History
 
@@ -282,6 +285,7 @@ async def serve(rt: ServiceRuntime) -> None:
                          handle=TaskEventsIn(history, rt.nats).handle, stop=rt.stop, batch=64),
              "task-events")
     rt.spawn(prune_every(history, rt.stop), "history-retention")
+    notifier = await _start_notifier(rt, reporter, fetch, history)
     await rt.ready(http_address=http_address)
     log.info("report.watching", dir=str(out_dir), api=rt.args.api or "discovered",
              dashboard=f"http://{http_address}/" if http_address else "off")
@@ -290,6 +294,48 @@ async def serve(rt: ServiceRuntime) -> None:
     finally:
         if dashboard is not None:
             await dashboard.stop()
+        await notifier.close()
+
+
+async def _start_notifier(rt: ServiceRuntime, reporter: Reporter, fetch: FetchRun,
+                          history: History) -> Notifier:
+    """The notifier's consumers (new events only, the first time: a fresh notifier does
+    not tell about the last 30 days) and its waiting-task watch."""
+    channels = make_channels(rt.config)
+    notifier = Notifier(rt.nats, dict(channels), section=rt.config.notify,
+                        run_of=run_fetcher(reporter, fetch),
+                        picture=lambda run_id: asyncio.to_thread(picture, history, run_id))
+    rt.spawn(bus.consume(rt.nats.js, stream=subjects.EVENTS_STREAM,
+                         durable=subjects.REPORT_NOTIFY, filter_subject=subjects.EVENTS_ALL,
+                         handle=notifier.handle, stop=rt.stop, deliver_new=True), "notify")
+    rt.spawn(bus.consume(rt.nats.js, stream=subjects.TELEMETRY_STREAM,
+                         durable=subjects.REPORT_NOTIFY_TELEMETRY,
+                         filter_subject=subjects.TELEMETRY_ALL,
+                         handle=notifier.handle_telemetry, stop=rt.stop, deliver_new=True,
+                         batch=64), "notify-telemetry")
+    rt.spawn(notifier.watch_waiting(rt.stop), "notify-waiting")
+    log.info("notify.rules", rules=describe_rules(notifier.rules),
+             channels=sorted(channels), subscriptions=subjects.SUBSCRIPTIONS_BUCKET)
+    return notifier
+
+
+def run_fetcher(reporter: Reporter, fetch: FetchRun) -> Callable[[str], Awaitable[
+        RunRecord | None]]:
+    """GetRun through the report's own API access; None for a run the API does not know."""
+    async def run_of(run_id: str) -> RunRecord | None:
+        try:
+            return await fetch(await reporter.api_address(), run_id)
+        except NotFoundError:
+            return None
+
+    return run_of
+
+
+def picture(history: History, run_id: str) -> tuple[dict[str, float], bytes | None]:
+    """A finished run's key metrics and main curve (PNG) for its notice (blocking)."""
+    curves = history.curves(run_id, max_points=300)
+    with _DRAWING:
+        return phone.key_metrics(curves), phone.curve_png(curves, title=run_id)
 
 
 async def _start_dashboard(rt: ServiceRuntime, history: History, out_dir: Path
