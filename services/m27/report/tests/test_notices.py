@@ -14,10 +14,9 @@ from m27.report import notices
 
 def run(state: str = "failed") -> RunRecord:
     return RunRecord(run_id="r-1", name="md <sweep>", user="alice", urgency="normal",
-                     state=state, created_at=1000.0, started_at=1010.0,  # type: ignore[arg-type]
-                     ended_at=1010.0 + 7500, steps=(
-                         StepRecord(name="train", type="gpu", command="x",
-                                    state="failed"),),  # type: ignore[arg-type]
+                     state=state, created_at=1000.0,  # type: ignore[arg-type]
+                     started_at=1010.0, ended_at=1010.0 + 7500, steps=(
+                         StepRecord(name="train", type="gpu", command="x", state="failed"),),
                      reason="step train failed")
 
 
@@ -29,7 +28,9 @@ def ended(state: str = "failed", at: float = 8510.0) -> events.RunStateChanged:
 def test_a_run_end_says_what_ended_how_and_after_how_long() -> None:
     notice = notices.run_ended(ended(), run(), metrics={"loss": 0.25, "acc": math.nan})
     assert notice is not None
-    assert notice.kind == "run_failed" and notice.user == "alice" and notice.state == "failed"
+    assert notice.kind == "run_failed"
+    assert notice.user == "alice"
+    assert notice.state == "failed"
     first, *rest = notice.text.splitlines()
     assert first == "❌ run r-1 (md <sweep>) failed after 2 h 05 min"
     assert rest == ["failed: train", "step train failed", "loss 0.25 · acc nan"]
@@ -44,15 +45,17 @@ def test_copies_of_an_event_are_one_notice_and_a_later_end_is_another() -> None:
     a = notices.run_ended(ended(), run())
     b = notices.run_ended(ended(), run(), metrics={"loss": 1.0})  # metrics came in later
     c = notices.run_ended(ended(at=9999.0), run())  # retried and failed again
-    assert a is not None and b is not None and c is not None
+    assert a is not None
+    assert b is not None
+    assert c is not None
     assert a.id == b.id != c.id
 
 
 def anomaly(**change: object) -> events.TrainingAnomaly:
-    fields: dict[str, object] = dict(at=1.0, task_id="r-1/train", run_id="r-1", step="train",
-                                     attempt=1, node_id="n1", kind="spike", metric="loss",
-                                     train_step=120, value=9.5, baseline=0.4,
-                                     actions=("checkpoint", "notify"))
+    fields: dict[str, object] = {
+        "at": 1.0, "task_id": "r-1/train", "run_id": "r-1", "step": "train", "attempt": 1,
+        "node_id": "n1", "kind": "spike", "metric": "loss", "train_step": 120, "value": 9.5,
+        "baseline": 0.4, "actions": ("checkpoint", "notify")}
     fields.update(change)
     return events.TrainingAnomaly(**fields)  # type: ignore[arg-type]
 
@@ -72,14 +75,16 @@ def test_a_task_is_waiting_once_per_time_it_was_queued() -> None:
     late = notices.waiting("r-1/train", "r-1", "alice", 0.0, 3700.0, 3600.0, "no GPU free")
     later = notices.waiting("r-1/train", "r-1", "alice", 0.0, 9000.0, 3600.0)
     again = notices.waiting("r-1/train", "r-1", "alice", 5000.0, 9000.0, 3600.0)
-    assert late is not None and later is not None and again is not None
+    assert late is not None
+    assert later is not None
+    assert again is not None
     assert late.text == "⏳ r-1/train has waited 1 h 01 min for a GPU: no GPU free"
     assert late.id == later.id != again.id
     assert notices.waiting("r-1/train", "r-1", "alice", 0.0, 1e9, 0.0) is None  # off
 
 
 def reading(at: float, *temps: float) -> events.GpuTelemetry:
-    return events.GpuTelemetry(at=at, node_id="n1", incarnation="i", seq=1, backend="sim",
+    return events.GpuTelemetry(at=at, node_id="n1", incarnation="i", seq=1, backend="simulated",
                                gpus=tuple(GpuSample(index=i, utilization_pct=50.0,
                                                     memory_used_mb=0, temperature_c=t,
                                                     simulated=True)

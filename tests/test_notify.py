@@ -1,0 +1,260 @@
+"""The notifier on a real nats-server, delivering to a real webhook server (aiohttp), a real
+SMTP server (aiosmtpd) and the Bot API stand-in: each notice once per place, whatever is
+redelivered, repeated or restarted; failures retried; Telegram's 429 honoured."""
+
+from __future__ import annotations
+
+import asyncio
+import email
+import email.policy
+import socket
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+
+import pytest
+from aiohttp import web
+from aiosmtpd.controller import Controller
+
+from m27.common import bus, events, subjects
+from m27.common.bus import NatsBus
+from m27.common.config import NotifySection
+from m27.common.errors import Unavailable
+from m27.common.model import RunRecord, StepRecord
+from m27.common.notifications import Delivery, Notice, Subscription
+from m27.report.channels import Email, Telegram, Webhook
+from m27.report.notify import CLAIM_LEASE_S, Busy, Mark, Notifier, mark_key
+from tests.botapi import BotApi
+from tests.support import wait_for
+
+pytestmark = pytest.mark.integration
+
+
+
+class Hook:
+    """A webhook receiver that answers each POST with the next of `statuses` (then 200)."""
+
+    def __init__(self) -> None:
+        self.bodies: list[dict[str, object]] = []
+        self.keys: list[str] = []
+        self.statuses: list[int] = []
+        self.url = ""
+
+    async def post(self, request: web.Request) -> web.Response:
+        status = self.statuses.pop(0) if self.statuses else 200
+        if status == 200:
+            self.bodies.append(await request.json())
+            self.keys.append(request.headers.get("Idempotency-Key", ""))
+        return web.Response(status=status)
+
+
+@pytest.fixture
+async def hook() -> AsyncIterator[Hook]:
+    receiver = Hook()
+    app = web.Application()
+    app.router.add_post("/hook/{secret}", receiver.post)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    receiver.url = f"http://127.0.0.1:{port}/hook/s3cret"
+    yield receiver
+    await runner.cleanup()
+
+
+class Mailbox:
+    def __init__(self) -> None:
+        self.messages: list[email.message.EmailMessage] = []
+
+    async def handle_DATA(self, server: object, session: object, envelope: object) -> str:
+        raw = envelope.content  # type: ignore[attr-defined]
+        self.messages.append(email.message_from_bytes(raw, policy=email.policy.default))
+        return "250 OK"
+
+
+@pytest.fixture
+def bot_api() -> Iterator[BotApi]:
+    with BotApi() as api:
+        yield api
+
+
+@pytest.fixture
+def mailbox() -> Iterator[tuple[Mailbox, int]]:
+    box = Mailbox()
+    with socket.socket() as probe:  # aiosmtpd checks it is up by connecting: no port 0
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    controller = Controller(box, hostname="127.0.0.1", port=port)
+    controller.start()
+    yield box, port
+    controller.stop()
+
+
+def record(state: str = "succeeded") -> RunRecord:
+    return RunRecord(run_id="r-n1", name="sweep", user="alice", urgency="normal",
+                     state=state, created_at=100.0, started_at=100.0,  # type: ignore[arg-type]
+                     ended_at=160.0, steps=(StepRecord(name="train", type="gpu", command="x",
+                                                       state=state),))  # type: ignore[arg-type]
+
+
+def make(nats: NatsBus, section: NotifySection, telegram: Telegram | None = None,
+         run: Callable[[], RunRecord] = record) -> Notifier:
+    async def run_of(run_id: str) -> RunRecord | None:
+        return run() if run_id == "r-n1" else None
+
+    async def picture(run_id: str) -> tuple[dict[str, float], bytes | None]:
+        return {"loss": 0.125}, b"\x89PNG\r\n\x1a\nfake"
+
+    channels = {"webhook": Webhook(5.0)}
+    if section.smtp_host:
+        channels["email"] = Email(section)  # type: ignore[assignment]
+    if telegram is not None:
+        channels["telegram"] = telegram  # type: ignore[assignment]
+    return Notifier(nats, channels, section=section, run_of=run_of,  # type: ignore[arg-type]
+                    picture=picture)
+
+
+async def consumed(nats: NatsBus, durable: str) -> bool:
+    info = await nats.js.consumer_info(subjects.EVENTS_STREAM, durable)
+    return bool(info.num_pending == 0 and info.num_ack_pending == 0)
+
+
+async def run_consumer(nats: NatsBus, notifier: Notifier
+                       ) -> tuple[asyncio.Event, asyncio.Task[None]]:
+    stop = asyncio.Event()
+    task = asyncio.create_task(bus.consume(
+        nats.js, stream=subjects.EVENTS_STREAM, durable=subjects.REPORT_NOTIFY,
+        filter_subject=subjects.EVENTS_ALL, handle=notifier.handle, stop=stop,
+        retry_s=0.2))
+    return stop, task
+
+
+async def drained(nats: NatsBus) -> None:
+    deadline = time.monotonic() + 30
+    while not await consumed(nats, subjects.REPORT_NOTIFY):
+        assert time.monotonic() < deadline, "the notifier did not catch up"
+        await asyncio.sleep(0.05)
+
+
+ENDED = events.RunStateChanged(at=160.0, run_id="r-n1", state="succeeded", previous="running")
+
+
+async def test_a_run_end_reaches_webhook_and_mail_once_across_copies_and_restarts(
+        nats_url: str, hook: Hook, mailbox: tuple[Mailbox, int]) -> None:
+    box, port = mailbox
+    section = NotifySection(webhook=hook.url, smtp_host="127.0.0.1", smtp_port=port,
+                            email_to="alice@lab.example", email_from="m27@lab.example")
+    nats = await NatsBus.open(nats_url, name="test-notify")
+    try:
+        notifier = make(nats, section)
+        stop, task = await run_consumer(nats, notifier)
+        await nats.publish(subjects.run_state("r-n1"), ENDED, msg_id="copy-1")
+        await wait_for(lambda: len(hook.bodies) == 1 and len(box.messages) == 1,
+                       "the webhook and the mail arrive")
+        body = hook.bodies[0]
+        assert {k: body[k] for k in ("type", "run_id", "state", "user")} == {
+            "type": "run_succeeded", "run_id": "r-n1", "state": "succeeded", "user": "alice"}
+        assert str(body["text"]).startswith("✅ run r-n1 (sweep) succeeded after 1 min")
+        assert body["metrics"] == {"loss": 0.125}
+        assert hook.keys == [body["id"]]
+        mail = box.messages[0]
+        assert mail["To"] == "alice@lab.example"
+        assert mail["Message-ID"] == f"<{body['id']}@m27>"
+        assert mail["Subject"].startswith("[m27] ✅ run r-n1 (sweep) succeeded")
+        assert [p.get_content_type() for p in mail.iter_attachments()] == ["image/png"]
+        # a second copy of the event (another message id), and a restarted notifier
+        await nats.publish(subjects.run_state("r-n1"), ENDED, msg_id="copy-2")
+        await drained(nats)
+        stop.set()
+        await task
+        restarted = make(nats, section)
+        stop, task = await run_consumer(nats, restarted)
+        await nats.publish(subjects.run_state("r-n1"), ENDED, msg_id="copy-3")
+        await drained(nats)
+        stop.set()
+        await task
+        assert len(hook.bodies) == 1
+        assert len(box.messages) == 1
+        assert notifier.sent == 2
+        assert restarted.sent == 0
+    finally:
+        await nats.close()
+
+
+async def test_a_failing_webhook_is_retried_and_the_mail_is_not_sent_again(
+        nats_url: str, hook: Hook, mailbox: tuple[Mailbox, int]) -> None:
+    box, port = mailbox
+    hook.statuses = [503, 500]
+    section = NotifySection(webhook=hook.url, smtp_host="127.0.0.1", smtp_port=port,
+                            email_to="alice@lab.example")
+    nats = await NatsBus.open(nats_url, name="test-notify")
+    try:
+        stop, task = await run_consumer(nats, make(nats, section))
+        await nats.publish(subjects.run_state("r-n1"), ENDED)
+        await wait_for(lambda: len(hook.bodies) == 1, "the webhook takes it at the third try")
+        await drained(nats)
+        stop.set()
+        await task
+        assert hook.statuses == []
+        assert len(box.messages) == 1
+    finally:
+        await nats.close()
+
+
+async def test_a_refused_webhook_is_given_up_and_a_fresh_claim_waits(
+        nats_url: str, hook: Hook) -> None:
+    hook.statuses = [404]
+    nats = await NatsBus.open(nats_url, name="test-notify")
+    try:
+        notifier = make(nats, NotifySection(webhook=hook.url))
+        notice = Notice(id="n-refused", kind="run_failed", text="x", at=1.0, user="alice")
+        assert await notifier.notify(notice) == 0  # 404: refused, marked, not retried
+        assert await notifier.notify(notice) == 0
+        assert hook.bodies == []
+        # another notifier's claim in progress: not sent twice at once, but not lost
+        other = Notice(id="n-busy", kind="run_failed", text="x", at=1.0, user="alice")
+        key = mark_key(other, Delivery(channel="webhook", target=hook.url))
+        await nats.kv_put(subjects.NOTIFIED_BUCKET, key, Mark(
+            state="sending", at=time.time(), notice=other.id, place="webhook"))
+        with pytest.raises(Unavailable):
+            await notifier.notify(other)
+        await nats.kv_put(subjects.NOTIFIED_BUCKET, key, Mark(
+            state="sending", at=time.time() - CLAIM_LEASE_S - 1, notice=other.id,
+            place="webhook"))  # its sender died: taken over
+        assert await notifier.notify(other) == 1
+        assert [b["id"] for b in hook.bodies] == ["n-busy"]
+        assert issubclass(Busy, Unavailable)
+    finally:
+        await nats.close()
+
+
+async def test_a_subscribed_chat_gets_the_curve_and_a_429_is_waited_out(
+        nats_url: str, bot_api: BotApi) -> None:
+    botapi = bot_api
+    nats = await NatsBus.open(nats_url, name="test-notify")
+    telegram = Telegram(botapi.token, botapi.url)
+    try:
+        await nats.kv_put(subjects.SUBSCRIPTIONS_BUCKET,
+                          subjects.subscription_key("telegram", "777"),
+                          Subscription(channel="telegram", target="777", user="alice"))
+        await nats.kv_put(subjects.SUBSCRIPTIONS_BUCKET,
+                          subjects.subscription_key("telegram", "888"),
+                          Subscription(channel="telegram", target="888", user="bob"))
+        botapi.fail_next("sendPhoto", 1, status=429, retry_after=1)
+        stop, task = await run_consumer(nats, make(nats, NotifySection(), telegram))
+        began = time.monotonic()
+        await nats.publish(subjects.run_state("r-n1"), ENDED)
+        await botapi.wait_for_async(lambda: len(botapi.sent(777)) == 1, timeout=30)
+        assert time.monotonic() - began >= 1.0
+        await drained(nats)
+        stop.set()
+        await task
+        (photo,) = botapi.sent(777)
+        assert photo.kind == "photo"
+        assert photo.data is not None
+        assert photo.data.startswith(b"\x89PNG")
+        assert photo.text.startswith("✅ run r-n1 (sweep) succeeded")
+        assert botapi.sent(888) == []  # bob's chat: not bob's run
+    finally:
+        await telegram.close()
+        await nats.close()
