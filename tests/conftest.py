@@ -15,6 +15,7 @@ from m27.client import Client
 from m27.common import api_auth
 from m27.embedded import NatsServer
 from m27.embedded.processes import ServiceProcess, launch, stop, wait_ready
+from tests.botapi import BotApi
 from tests.support import Cluster, embedded
 
 StartService = Callable[..., ServiceProcess]
@@ -93,3 +94,11 @@ def attacked_home(tmp_path_factory: pytest.TempPathFactory,
     root = tmp_path_factory.mktemp("secure")
     with embedded(root, tls=request.param == "tls", nodes=2, gpus="sim:1") as home:
         yield home
+
+
+@pytest.fixture
+def bot_api() -> Iterator[BotApi]:
+    """A Telegram Bot API stand-in on 127.0.0.1 (`tests/botapi.py`): point a bot's
+    `[telegram] api_url` at `bot_api.url` with `bot_api.token`."""
+    with BotApi() as api:
+        yield api
