@@ -10,21 +10,23 @@ import email.policy
 import socket
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
 
 import pytest
 from aiohttp import web
 from aiosmtpd.controller import Controller
 
-from m27.common import bus, events, subjects
+from m27.common import api_auth, bus, events, subjects
 from m27.common.bus import NatsBus
 from m27.common.config import NotifySection
 from m27.common.errors import Unavailable
 from m27.common.model import RunRecord, StepRecord
 from m27.common.notifications import Delivery, Notice, Subscription
+from m27.embedded.processes import stop, wait_ready
 from m27.report.channels import Email, Telegram, Webhook
 from m27.report.notify import CLAIM_LEASE_S, Busy, Mark, Notifier, mark_key
 from tests.botapi import BotApi
-from tests.support import wait_for
+from tests.support import Cluster, finished_run, stored, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -258,3 +260,58 @@ async def test_a_subscribed_chat_gets_the_curve_and_a_429_is_waited_out(
     finally:
         await telegram.close()
         await nats.close()
+
+
+PIPELINE = """\
+pipeline:
+  - name: train
+    command: |
+      for i in 1 2 3 4 5; do
+        echo "{\\"step\\": $i, \\"loss\\": 1.$((9 - i))}" >> "$M27_METRICS_FILE"
+      done
+"""
+
+
+async def test_the_real_system_tells_a_webhook_and_a_subscribed_chat_once_across_a_restart(
+        tmp_path: Path, hook: Hook, bot_api: BotApi) -> None:
+    system = Cluster(tmp_path, gpus="sim:1", env={
+        "M27_NOTIFY_WEBHOOK": hook.url, "M27_NOTIFY_RULES": "run_ended -> webhook",
+        "M27_TELEGRAM_TOKEN": bot_api.token, "M27_TELEGRAM_API_URL": bot_api.url})
+    system.start()
+    nats = await NatsBus.open(system.nats_url, name="test-notify")
+    try:
+        me = api_auth.login_name()
+        await nats.kv_put(subjects.SUBSCRIPTIONS_BUCKET,
+                          subjects.subscription_key("telegram", "4242"),
+                          Subscription(channel="telegram", target="4242", user=me))
+        bot_api.fail_next("sendPhoto", 1, status=429, retry_after=1)
+        async with system.client() as client:
+            run_id = await client.submit(PIPELINE, workdir=str(tmp_path))
+            run = await finished_run(client, run_id)
+        assert run.state == "succeeded", system.logs()
+        await bot_api.wait_for_async(lambda: bot_api.sent(4242), timeout=60)
+        await wait_for(lambda: bool(hook.bodies), "the webhook hears of the run")
+        (photo,) = bot_api.sent(4242)
+        assert photo.kind == "photo", photo
+        assert photo.text.startswith(f"✅ run {run_id} ")
+        assert "loss 1.4" in photo.text  # the last logged value, from the history
+        assert [c.status for c in bot_api.calls("sendPhoto")] == [429, 200]
+        assert [(b["type"], b["run_id"], b["user"]) for b in hook.bodies] == [
+            ("run_succeeded", run_id, me)]
+        # the report service restarts, and the run's end is published once more
+        stop([system.processes.pop("report")])
+        ended = [data for subject, data in await stored(nats, subjects.EVENTS_STREAM)
+                 if subject == subjects.run_state(run_id)
+                 and b'"state":"succeeded"' in data]
+        await nats.js.publish(subjects.run_state(run_id), ended[-1])
+        system.launch("report", "m27.report")
+        wait_ready([system.processes["report"]])
+        await drained(nats)
+        assert len(bot_api.sent(4242)) == 1
+        assert len(hook.bodies) == 1
+        log = (tmp_path / "logs" / "report.log").read_text()
+        assert bot_api.token not in log
+        assert "s3cret" not in log
+    finally:
+        await nats.close()
+        system.stop()

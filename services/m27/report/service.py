@@ -23,6 +23,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from nats.aio.msg import Msg
+from nats.js import JetStreamContext
 
 from m27.client import Client
 from m27.common import bus, events, subjects
@@ -302,9 +303,14 @@ async def _start_notifier(rt: ServiceRuntime, reporter: Reporter, fetch: FetchRu
     """The notifier's consumers (new events only, the first time: a fresh notifier does
     not tell about the last 30 days) and its waiting-task watch."""
     channels = make_channels(rt.config)
+    js = rt.nats.js
+
+    async def picture_of(run_id: str) -> tuple[dict[str, float], bytes | None]:
+        await metrics_caught_up(js)  # a run's last points were sent before it ended
+        return await asyncio.to_thread(picture, history, run_id)
+
     notifier = Notifier(rt.nats, dict(channels), section=rt.config.notify,
-                        run_of=run_fetcher(reporter, fetch),
-                        picture=lambda run_id: asyncio.to_thread(picture, history, run_id))
+                        run_of=run_fetcher(reporter, fetch), picture=picture_of)
     rt.spawn(bus.consume(rt.nats.js, stream=subjects.EVENTS_STREAM,
                          durable=subjects.REPORT_NOTIFY, filter_subject=subjects.EVENTS_ALL,
                          handle=notifier.handle, stop=rt.stop, deliver_new=True), "notify")
@@ -329,6 +335,19 @@ def run_fetcher(reporter: Reporter, fetch: FetchRun) -> Callable[[str], Awaitabl
             return None
 
     return run_of
+
+
+async def metrics_caught_up(js: JetStreamContext, timeout_s: float = 10.0) -> bool:
+    """Wait (at most `timeout_s`) until the history holds every metric point published so
+    far: the metrics consumer has nothing pending or unacked. False when it did not."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with contextlib.suppress(Exception):
+            info = await js.consumer_info(subjects.METRICS_STREAM, subjects.REPORT_METRICS)
+            if not info.num_pending and not info.num_ack_pending:
+                return True
+        await asyncio.sleep(0.1)
+    return False
 
 
 def picture(history: History, run_id: str) -> tuple[dict[str, float], bytes | None]:
