@@ -12,6 +12,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
+import msgspec
 import pytest
 from aiohttp import web
 from aiosmtpd.controller import Controller
@@ -20,7 +21,7 @@ from m27.common import api_auth, bus, events, subjects
 from m27.common.bus import NatsBus
 from m27.common.config import NotifySection
 from m27.common.errors import Unavailable
-from m27.common.model import RunRecord, StepRecord
+from m27.common.model import GpuSample, RunRecord, StepRecord
 from m27.common.notifications import Delivery, Notice, Subscription
 from m27.embedded.processes import stop, wait_ready
 from m27.report.channels import Email, Telegram, Webhook
@@ -72,12 +73,6 @@ class Mailbox:
         raw = envelope.content  # type: ignore[attr-defined]
         self.messages.append(email.message_from_bytes(raw, policy=email.policy.default))
         return "250 OK"
-
-
-@pytest.fixture
-def bot_api() -> Iterator[BotApi]:
-    with BotApi() as api:
-        yield api
 
 
 @pytest.fixture
@@ -315,3 +310,60 @@ async def test_the_real_system_tells_a_webhook_and_a_subscribed_chat_once_across
     finally:
         await nats.close()
         system.stop()
+
+
+async def test_anomalies_lost_nodes_leaks_waiting_tasks_and_hot_gpus_are_told(
+        nats_url: str, hook: Hook) -> None:
+    nats = await NatsBus.open(nats_url, name="test-notify")
+    notifier = make(nats, NotifySection(webhook=hook.url, rules="all -> webhook",
+                                        waiting_after=600.0, gpu_hot_c=85.0))
+    try:
+        stop, task = await run_consumer(nats, notifier)
+        node = subjects.node_sender("n1")
+        spike = events.TrainingAnomaly(at=1.0, task_id="r-n1/train", run_id="r-n1",
+                                       step="train", attempt=1, node_id="n1", kind="spike",
+                                       metric="loss", train_step=50, value=9.0,
+                                       baseline=0.5, actions=("checkpoint", "notify"))
+        await nats.publish(subjects.task_events("r-n1", "train", node), spike)
+        quiet = msgspec.structs.replace(spike, train_step=60, actions=("checkpoint",))
+        await nats.publish(subjects.task_events("r-n1", "train", node), quiet)
+        forged = msgspec.structs.replace(spike, train_step=70)  # n2 speaking for n1
+        await nats.publish(subjects.task_events("r-n1", "train", "node-n2"), forged)
+        await nats.publish(subjects.node_events("n1"), events.NodeLost(
+            at=100.0, node_id="n1", last_heartbeat=40.0))
+        await nats.publish(subjects.node_events("n1"), events.GpuMemoryLeak(
+            at=5.0, node_id="n1", gpu_index=0, task_id="r-n1/train", pids=(77,),
+            memory_mb=900, cleaned=True))
+        await drained(nats)
+        stop.set()
+        await task
+        kv = await nats.kv(subjects.TASKS_BUCKET)
+        await kv.put("r-n1.analyse", msgspec.json.encode(_waiting_entry()))
+        assert await notifier.check_waiting() == 1
+        assert await notifier.check_waiting() == 0  # once per time it was queued
+        hot = events.GpuTelemetry(at=7200.0, node_id="n1", incarnation="i", seq=1,
+                                  backend="simulated", gpus=(GpuSample(
+                                      index=0, utilization_pct=99.0, memory_used_mb=1,
+                                      temperature_c=91.0, simulated=True),))
+        await nats.js.publish(subjects.telemetry(node), msgspec.json.encode(hot))
+        await nats.js.publish(subjects.telemetry("node-n2"), msgspec.json.encode(hot))
+        tele_stop = asyncio.Event()
+        tele = asyncio.create_task(bus.consume(
+            nats.js, stream=subjects.TELEMETRY_STREAM, durable=subjects.REPORT_NOTIFY_TELEMETRY,
+            filter_subject=subjects.TELEMETRY_ALL, handle=notifier.handle_telemetry,
+            stop=tele_stop))
+        await wait_for(lambda: len(hook.bodies) == 5, "the hot GPU is told")
+        tele_stop.set()
+        await tele
+        assert [(b["type"], b["user"]) for b in hook.bodies] == [
+            ("training_anomaly", "alice"), ("node_lost", ""), ("gpu_memory_leak", "alice"),
+            ("task_waiting", "alice"), ("gpu_hot", "")]
+        assert "at step 50" in str(hook.bodies[0]["text"])
+    finally:
+        await nats.close()
+
+
+def _waiting_entry() -> dict[str, object]:
+    return {"task": {"task_id": "r-n1/analyse", "run_id": "r-n1", "user": "alice",
+                     "step": "analyse"},
+            "queued_at": time.time() - 3600, "placement": None, "wait_reason": "no GPU free"}
