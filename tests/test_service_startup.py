@@ -13,7 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from m27.common import api_auth
 from m27.common.bus import connect
+from m27.embedded import NatsServer
 
 pytestmark = pytest.mark.integration
 
@@ -90,3 +92,21 @@ def test_a_cancelled_connect_leaves_nothing_running(delay_s: float) -> None:
         return [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
 
     assert asyncio.run(scenario()) == []
+
+
+def test_a_bad_notification_rule_is_one_line_naming_it(tmp_path: Path) -> None:
+    api_auth.ensure_cli_token(tmp_path, api_auth.login_name())
+    env = {**os.environ, "M27_HOME": str(tmp_path), "M27_CONFIG": os.devnull,
+           "M27_NOTIFY_RULES": "run_failed -> webhook\nrun_faild -> webhook"}
+    server = NatsServer(tmp_path / "nats")
+    try:
+        proc = subprocess.run([sys.executable, "-m", "m27.report", "--nats", server.start(),
+                               "--log-json"], env=env, capture_output=True, text=True,
+                              timeout=60)
+    finally:
+        server.stop()
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1, out
+    assert ("[notify] rules: rule 2 ('run_faild -> webhook'): unknown notification kind "
+            "'run_faild'") in out
+    assert "Traceback" not in out

@@ -157,6 +157,7 @@ class ServiceRuntime:
         log.info("service.ready", grpc_address=self.grpc.address)
 
     async def close(self) -> None:
+        self.stop.set()  # a service that failed while starting: its loops stop now, too
         await self.join()
         if self.bus is not None:
             with contextlib.suppress(Exception):

@@ -30,7 +30,7 @@ from nats.aio.msg import Msg
 from m27.common import bus, events, subjects
 from m27.common.bus import Bus
 from m27.common.config import NotifySection
-from m27.common.errors import Unavailable
+from m27.common.errors import ConfigError, Unavailable
 from m27.common.logging import get_logger
 from m27.common.model import Fence, RunRecord
 from m27.common.notifications import (
@@ -77,9 +77,13 @@ def mark_key(notice: Notice, delivery: Delivery) -> str:
 
 
 def default_rules(section: NotifySection) -> tuple[Rule, ...]:
-    """`[notify] rules`, or (empty) the default kinds to every channel configured."""
+    """`[notify] rules`, or (empty) the default kinds to every channel configured;
+    ConfigError naming the rule that is wrong."""
     if section.rules.strip():
-        return parse_rules(section.rules)
+        try:
+            return parse_rules(section.rules)
+        except ValueError as exc:
+            raise ConfigError(f"[notify] rules: {exc}") from exc
     text = []
     if section.webhook:
         text.append("-> webhook")
