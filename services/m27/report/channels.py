@@ -214,7 +214,9 @@ class Telegram:
                                                  files=files)
                 body = answer.json()
             except (httpx.HTTPError, ValueError) as exc:
-                raise Unavailable(f"Telegram {method}: {self._clean(str(exc))}") from exc
+                # `from None`: a chained httpx error could print the URL, the token in it
+                raise Unavailable(f"Telegram {method}: {type(exc).__name__}: "
+                                  f"{self._clean(str(exc))}") from None
             if answer.is_success and body.get("ok"):
                 return
             code = int(body.get("error_code") or answer.status_code)
