@@ -111,6 +111,7 @@ class BotApi:
         self._arrived: asyncio.Event | None = None  # getUpdates: look again
         self._kick: asyncio.Event | None = None  # the webhook delivery: look again
         self._delivery: asyncio.Task[None] | None = None
+        self._closing = False
         self._runner: web.AppRunner | None = None
         self._thread: threading.Thread | None = None
 
@@ -147,7 +148,8 @@ class BotApi:
         app = web.Application(client_max_size=60 * 1024 * 1024)
         app.router.add_route("*", "/bot{token}/{method}", self._method)
         app.router.add_get("/file/bot{token}/{path:.+}", self._file)
-        self._runner = web.AppRunner(app, access_log=None)
+        # a long poll whose caller went away ends, as at Telegram
+        self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", 0)
         await site.start()
@@ -159,6 +161,8 @@ class BotApi:
             return
 
         async def shutdown() -> None:
+            self._closing = True
+            self._wake()  # long polls still waiting answer now
             if self._delivery is not None:
                 self._delivery.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
@@ -366,7 +370,7 @@ class BotApi:
             self._arrived.clear()
             found = self._confirm_and_take(offset, kinds, limit)
             left = deadline - time.monotonic()
-            if found or left <= 0:
+            if found or left <= 0 or self._closing:
                 return 200, found, None
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._arrived.wait(), left)
