@@ -23,6 +23,7 @@ from m27.common.config import NatsSection
 from m27.common.errors import M27Error
 from m27.common.principals import principal
 from m27.embedded import system
+from m27.telegram import configured as bot_configured
 
 REPORT_WAIT_S: Final = 20.0
 
@@ -60,8 +61,9 @@ def add_commands(sub: Subparsers) -> None:
 def cmd_up(args: argparse.Namespace) -> int:
     home = args.home
     print(f"starting m27 under {home} …", file=sys.stderr, flush=True)
-    state, started = system.up(home, nodes=args.nodes, gpus=args.gpus,
-                               config=config(args).nats)
+    cfg = config(args)
+    state, started = system.up(home, nodes=args.nodes, gpus=args.gpus, config=cfg.nats,
+                               telegram=bot_configured(cfg.telegram))
     print_up(state, started)
     return 0
 
@@ -150,7 +152,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from m27.demo import demo_pipeline
 
     home = args.home
-    state, started = system.up(home, config=config(args).nats)
+    cfg = config(args)
+    state, started = system.up(home, config=cfg.nats, telegram=bot_configured(cfg.telegram))
     print_up(state, started)
     workdir = home / "demo" / time.strftime("%Y%m%d-%H%M%S")
     workdir.mkdir(parents=True, exist_ok=True)

@@ -120,9 +120,10 @@ def nvidia_gpu_count() -> int:
 
 
 def up(home: Path, *, nodes: int = 1, gpus: str | None = None,
-       log_level: str = "info", config: NatsSection | None = None
+       log_level: str = "info", config: NatsSection | None = None, telegram: bool = False
        ) -> tuple[EmbeddedState, bool]:
-    """Start everything (or find it running); returns (state, started_now)."""
+    """Start everything (or find it running); returns (state, started_now). `telegram`:
+    the Telegram bot too (a token is configured; it reads `[telegram]` itself)."""
     if nodes < 1 or nodes > 64:
         raise M27Error(f"--nodes must be between 1 and 64, got {nodes}")
     with _locked(home):
@@ -132,7 +133,7 @@ def up(home: Path, *, nodes: int = 1, gpus: str | None = None,
             return current, False
         if current is not None:
             _stop_state(current)  # some part died: restart all of it cleanly
-        return _start(home, nodes, gpus, log_level, config or NatsSection()), True
+        return _start(home, nodes, gpus, log_level, config or NatsSection(), telegram), True
 
 
 def credentials_dir(home: Path) -> Path:
@@ -170,7 +171,7 @@ def _create_topology(url: str, admin: Access) -> None:
 
 
 def _start(home: Path, nodes: int, gpus: str | None, log_level: str,
-           config: NatsSection) -> EmbeddedState:
+           config: NatsSection, telegram: bool = False) -> EmbeddedState:
     gpu_spec, simulated = (gpus, gpus.startswith("sim")) if gpus else default_gpus()
     ensure_cli_token(home, login_name())  # the API's keys, and the CLI's admin token
     nats = embedded_server(home, config, nodes)
@@ -188,6 +189,8 @@ def _start(home: Path, nodes: int, gpus: str | None, log_level: str,
         ("scheduler", "m27.scheduler", principal("scheduler"), []),
         ("checkpoint-store", "m27.checkpoint_store", principal("checkpoint-store"), []),
         ("report", "m27.report", principal("report"), [])]
+    if telegram:
+        specs.append(("telegram", "m27.telegram", principal("telegram"), []))
     specs += [(f"node-agent-{i}", "m27.node_agent", principal("node-agent", f"node-{i}"),
                ["--node-id", f"node-{i}", "--instance", f"node-{i}", "--gpus", gpu_spec])
               for i in range(1, nodes + 1)]
