@@ -157,7 +157,8 @@ def emit(fmt: str, comparison: Comparison, members: Sequence[Member], *, title: 
 def write_all(out: Path, comparison: Comparison, members: Sequence[Member], *, title: str,
               notes: Sequence[str], width: str) -> list[Path]:
     """Every format and figure into `out` (created if needed); the paths written."""
-    from m27.report import compare_page, figures  # matplotlib: only when drawing
+    from m27.plots import figures  # matplotlib: only when drawing
+    from m27.report import compare_page
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:

@@ -14,7 +14,7 @@ from typing import Final
 import jinja2
 from matplotlib.figure import Figure
 
-from m27.report import figures
+from m27.plots import figures
 from m27.report._style import CSS
 from m27.report.compare import Comparison, Member, cells, header, numeric
 

@@ -26,7 +26,7 @@ from markupsafe import Markup
 from m27 import __version__
 from m27.common.model import RunRecord, StepRecord, StepState
 from m27.common.proto import MASKED
-from m27.report import figures
+from m27.plots import figures
 from m27.report._style import CSS
 from m27.report._text import NO_VALUE, clean, clean_tail, esc, fmt_span, fmt_time, iso_time
 from m27.report._timeline import Mark, render_timeline

@@ -35,7 +35,7 @@ from m27.common.logging import bound_contextvars, get_logger
 from m27.common.model import TERMINAL_RUN_STATES, Fence, RunRecord, ServiceInfo
 from m27.common.principals import metrics_problem, sender_problem, telemetry_problem
 from m27.common.service import ServiceRuntime
-from m27.report import phone
+from m27.plots import phone
 from m27.report.api import SERVICE_NAME, ReportServicer, register
 from m27.report.channels import make_channels
 from m27.report.compare import compare, members_of

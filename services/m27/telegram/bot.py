@@ -42,7 +42,7 @@ from m27.common.logging import bound_contextvars, get_logger
 from m27.common.model import TERMINAL_RUN_STATES
 from m27.common.notifications import Subscription
 from m27.pipeline.plan import render_text
-from m27.report.phone import curve_png, format_metrics, key_metrics
+from m27.plots.phone import curve_png, format_metrics, key_metrics
 from m27.telegram import commands, text
 from m27.telegram.allow import AllowList
 from m27.telegram.calls import M27Api, is_down

@@ -23,7 +23,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 from matplotlib.text import Text
 
-from m27.report.figures import (
+from m27.plots.figures import (
     MAX_LABEL,
     MAX_TICK_LABEL,
     OKABE_ITO,
@@ -114,7 +114,7 @@ def test_bytes_are_the_same_in_other_processes_and_hash_seeds(
     expected_digests: dict[str, str],
 ) -> None:
     """Other hash seeds (set order) and MPLBACKEND values change nothing."""
-    script = "import json; from m27.report.tests.test_figures import digests; "
+    script = "import json; from m27.plots.tests.test_figures import digests; "
     script += "print(json.dumps(digests()))"
     procs = [
         subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import Final
 
 from m27.common.curves import Curve
-from m27.report import figures
+from m27.plots import figures
 
 #: Metrics a reader looks for first, in this order; otherwise the first one logged.
 PREFERRED: Final = ("loss", "train_loss", "val_loss", "accuracy", "acc")
