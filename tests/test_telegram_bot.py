@@ -132,9 +132,11 @@ async def test_up_starts_the_bot_and_it_answers_who_may_use_it(
     assert answer.text.startswith("Hello! You use m27 here as alice.")
 
 
-async def test_an_allowed_user_submits_a_file_and_follows_the_run_to_its_report(
+async def test_an_allowed_user_submits_a_file_hears_it_end_and_gets_its_report(
         bot_system: BotSystem) -> None:
     api = bot_system.api
+    lab = -5001  # alice's group: where the report service's notices of her runs go
+    await say(api, ALICE, "/subscribe", chat=lab)
     (submitted,) = await say(api, ALICE, "/submit SEED=3", document=("train.yaml", TRAIN))
     assert submitted.text.startswith("Submitted: r-"), submitted.text
     run_id = submitted.text.split()[1]
@@ -158,6 +160,14 @@ async def test_an_allowed_user_submits_a_file_and_follows_the_run_to_its_report(
     assert (html.kind, html.filename) == ("document", f"{run_id}.html")
     assert html.data is not None
     assert b"<html" in html.data[:2000].lower()
+    await api.wait_for_async(lambda: len(api.sent(lab)) == 2, timeout=30,
+                             what="the notice of the run's end")
+    notice = api.sent(lab)[1]  # (after the subscription's confirmation)
+    assert notice.kind == "photo", notice
+    assert notice.data is not None
+    assert notice.data.startswith(b"\x89PNG")
+    assert notice.text.startswith(f"✅ run {run_id} (train) succeeded after ")
+    assert notice.text.endswith("loss 0.3")
     (listed,) = await say(api, ALICE, "/runs")
     assert run_id in listed.text
     before = len(api.sent(ALICE))
