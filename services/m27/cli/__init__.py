@@ -17,6 +17,7 @@ from m27.cli import (
     _checkpoints,
     _cluster,
     _compare,
+    _events,
     _queue,
     _runs,
     _simulate,
@@ -32,6 +33,7 @@ typical use:
   m27 submit pipeline.yaml --var INPUT_FILE=data/1abc.pdb --watch
   m27 runs --state failed      runs, newest first, filtered
   m27 retry RUN                run again what did not succeed
+  m27 events --run RUN -f      a run's bus events, one line each, then new ones (--json for jq)
   m27 nodes                    nodes and GPUs: utilization, memory, who holds what
   m27 queue --explain          what waits, in which order, and why (score breakdown)
   m27 node drain NODE          no new work; checkpointing tasks move elsewhere
@@ -65,6 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     _system.add_commands(sub)
     _runs.add_commands(sub)
+    _events.add_commands(sub)
     _cluster.add_commands(sub)
     _queue.add_commands(sub)
     _compare.add_commands(sub)

@@ -26,7 +26,7 @@ from m27.client._cluster import (
     from_cluster_service,
     node_from_proto,
 )
-from m27.common import proto
+from m27.common import events, proto
 from m27.common.api_auth import ApiAccess, default_access
 from m27.common.errors import M27Error, NotFoundError, Unavailable
 from m27.common.grpc_server import CLIENT_OPTIONS
@@ -40,8 +40,8 @@ from m27.v1 import pipeline_pb2_grpc as pb_grpc
 Req = TypeVar("Req")
 Resp = TypeVar("Resp")
 
-__all__ = ["Client", "ClientError", "GpuStatus", "LogChunk", "NodeStatus", "PipelineRejected",
-           "RunEvent", "RunSummary", "TaskShare"]
+__all__ = ["BusEvent", "Client", "ClientError", "GpuStatus", "LogChunk", "NodeStatus",
+           "PipelineRejected", "RunEvent", "RunSummary", "TaskShare"]
 
 
 class ClientError(M27Error):
@@ -89,6 +89,17 @@ class RunEvent(msgspec.Struct, frozen=True, kw_only=True):
     report_path: str = ""
     final: bool = False
     sequence: int = 0  # position in the events stream: resume a watch after it
+
+
+class BusEvent(msgspec.Struct, frozen=True, kw_only=True):
+    """One event of the events stream (`WatchEvents`), as it was published on NATS."""
+
+    #: The event; None when this client does not know its type (a newer server's).
+    event: events.Event | None
+    event_json: str  # as published: a JSON object with its `type` and `at`
+    subject: str
+    sequence: int  # in the events stream
+    stored_at: float
 
 
 class Client:
@@ -199,6 +210,21 @@ class Client:
         finally:
             stream.cancel()
 
+    async def events(self, run_id: str = "", *, follow: bool = False, since_s: float = 0.0,
+                     limit: int = 0) -> AsyncIterator[BusEvent]:
+        """Bus events, oldest first: every event of `run_id`, or without it the last `limit`
+        (0: 200) events of the stream that you may see; `since_s`: those of the last that
+        many seconds instead. With `follow`, new events as they come, until the caller stops."""
+        stream = self._stub.WatchEvents(pb.WatchEventsRequest(
+            run_id=run_id, follow=follow, since_s=since_s, limit=limit))
+        try:
+            async for reply in stream:
+                yield _bus_event(reply)
+        except grpc.aio.AioRpcError as exc:
+            raise self._error(exc) from exc
+        finally:
+            stream.cancel()
+
     async def _call(self, method: grpc.aio.UnaryUnaryMultiCallable[Req, Resp],
                     request: Req) -> Resp:
         try:
@@ -287,3 +313,12 @@ def _event_from_proto(message: pb.RunEvent) -> RunEvent:
         reason=message.reason, report_path=message.report_path,
         final=proto.is_final_event(message), sequence=message.sequence,
     )
+
+
+def _bus_event(reply: pb.WatchEventsResponse) -> BusEvent:
+    try:
+        event: events.Event | None = events.decode_event(reply.event_json.encode())
+    except ValueError:
+        event = None
+    return BusEvent(event=event, event_json=reply.event_json, subject=reply.subject,
+                    sequence=reply.sequence, stored_at=reply.stored_at)

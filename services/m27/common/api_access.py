@@ -41,7 +41,7 @@ METHOD_ROLES: Final[dict[str, frozenset[ApiRole]]] = {
     **_service("PipelineService", {
         "SubmitPipeline": _ACTORS, "PlanPipeline": _READERS, "GetRun": _READERS,
         "ListRuns": _READERS, "WatchRun": _READERS, "CancelRun": _ACTORS,
-        "RetryRun": _ACTORS}),
+        "RetryRun": _ACTORS, "WatchEvents": _READERS}),
     **_service("ClusterService", {"ListNodes": _READERS, "StreamLogs": _READERS}),
     **_service("NodeService", {"TailLog": frozenset({"node"})}),
     **_service("SchedulerService", {
@@ -83,6 +83,15 @@ def run_problem(who: Identity, owner: str, run_id: str, *, acting: bool) -> str 
         return None
     verb = "change" if acting else "see"
     return f"run {run_id} belongs to another user: only they or an admin may {verb} it"
+
+
+def sees_event(who: Identity, *, node_event: bool, run_owner: str | None) -> bool:
+    """Whether `who` may see a bus event (`WatchEvents`): a node's events anyone who reads
+    runs may; a run's (its run, step and task events) only its owner and those who read
+    everything. `run_owner` None: the run is unknown (only those who read everything)."""
+    if who.reads_everything or node_event:
+        return True
+    return run_owner is not None and run_owner == who.user
 
 
 def submitter(who: Identity, claimed: str) -> tuple[str, str | None]:

@@ -8,12 +8,14 @@ unknown run or step, FAILED_PRECONDITION for a retry that cannot happen).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator
 from typing import Final
 
 import grpc
 import msgspec
+from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import ConsumerConfig, DeliverPolicy
 
@@ -33,9 +35,10 @@ from m27.common.hints import one_of
 from m27.common.ids import is_valid_run_id, new_run_id
 from m27.common.logging import get_logger
 from m27.common.model import TERMINAL_RUN_STATES, NodeInfo, RunRecord
-from m27.common.tokens import USER_NAME
-from m27.orchestrator import history, runs
+from m27.common.tokens import USER_NAME, Identity
+from m27.orchestrator import event_feed, history, runs
 from m27.orchestrator.engine import Engine
+from m27.orchestrator.event_reader import EventReader
 from m27.orchestrator.parsing import in_child
 from m27.orchestrator.store import RunExistsError
 from m27.pipeline import PipelineError, PipelineSpec, Problem, load_pipeline
@@ -55,6 +58,13 @@ RESUME_IDLE_S: Final = 1.0
 PARSERS: Final = 2
 #: The highest sequence a JetStream stream can reach (a uint64 less the one added here).
 MAX_SEQUENCE: Final = 2**63 - 1
+#: `WatchEvents` streams served at once; more are RESOURCE_EXHAUSTED. What one holds is
+#: bounded: a page of messages (`event_reader.PAGE`), the tail it keeps
+#: (`event_feed.MAX_LIMIT` events at most) and the run owners it looked up (`FEED_OWNERS`);
+#: a slow client only makes its gRPC writes, and so the reading, wait.
+MAX_EVENT_FEEDS: Final = 32
+#: Run owners a feed remembers (it looks each run up once); beyond that it starts afresh.
+FEED_OWNERS: Final = 4096
 
 Context = grpc.aio.ServicerContext[object, object]
 
@@ -67,6 +77,7 @@ class PipelineServicer(pb_grpc.PipelineServiceServicer):
         self.gpu_light_share = gpu_light_share
         self.levels = levels
         self._parsing = asyncio.Semaphore(PARSERS)
+        self._feeds = 0
 
     # ------------------------------------------------------------ submit and plan
 
@@ -265,6 +276,80 @@ class PipelineServicer(pb_grpc.PipelineServiceServicer):
                     return
         finally:
             await sub.unsubscribe()
+
+    async def WatchEvents(self, request: pb.WatchEventsRequest,
+                          context: Context) -> AsyncIterator[pb.WatchEventsResponse]:
+        try:
+            query = event_feed.FeedQuery.from_request(request)
+        except ValueError as exc:
+            await refuse(context, InvalidRequest(str(exc)))
+        if query.run_id:
+            await self._get(query.run_id, context, acting=False)
+        if self._feeds >= MAX_EVENT_FEEDS:
+            await refuse(context, ResourceExhausted(
+                f"{MAX_EVENT_FEEDS} event streams are open on this orchestrator, the most it "
+                "serves at once: try again later"))
+        self._feeds += 1
+        try:
+            async for reply in self._feed(query, caller()):
+                yield reply
+        finally:
+            self._feeds -= 1
+
+    async def _feed(self, query: event_feed.FeedQuery,
+                    who: Identity) -> AsyncIterator[pb.WatchEventsResponse]:
+        js = self.store.bus.js
+        last = (await js.stream_info(subjects.EVENTS_STREAM)).state.last_seq
+        start = event_feed.start_of(query, last, time.time())
+        reader = EventReader(js, query.run_id, start)
+        try:
+            feed = event_feed.Feed[pb.WatchEventsResponse](
+                keep_last=start.keep_last, follow=query.follow, caught_up=await reader.open())
+            owners: dict[str, str | None] = {}
+            while not feed.done:
+                msg = await reader.next()
+                if msg is None:
+                    ready = feed.idle()
+                else:
+                    item = await self._feed_item(msg, who, owners, query.run_id)
+                    ready = feed.take(item, msg.metadata.num_pending or 0)
+                for reply in ready:
+                    yield reply
+        finally:
+            await reader.close()
+
+    async def _feed_item(self, msg: Msg, who: Identity, owners: dict[str, str | None],
+                         run_id: str) -> pb.WatchEventsResponse | None:
+        """The event as a reply, or None: one `who` may not see, or not an event."""
+        scope = event_feed.scope_of(msg.subject)
+        owner = None
+        if scope.run_id and not (run_id or who.reads_everything):
+            owner = await self._owner(scope.run_id, owners)
+        if not (run_id or api_access.sees_event(who, node_event=scope.node,
+                                                 run_owner=owner)):
+            return None
+        try:
+            events.decode_event(msg.data)
+        except ValueError as exc:
+            log.warning("feed.undecodable_event", subject=msg.subject, error=str(exc))
+            return None
+        meta = msg.metadata
+        return pb.WatchEventsResponse(
+            event_json=msg.data.decode(errors="replace"), subject=msg.subject,
+            sequence=meta.sequence.stream,
+            stored_at=meta.timestamp.timestamp() if meta.timestamp else 0.0)
+
+    async def _owner(self, run_id: str, owners: dict[str, str | None]) -> str | None:
+        """Whose run this is (None: no such run), looked up once per feed."""
+        if run_id not in owners:
+            if len(owners) >= FEED_OWNERS:
+                owners.clear()
+            owner = None
+            if is_valid_run_id(run_id):
+                with contextlib.suppress(NotFoundError):
+                    owner = (await self.store.get(run_id))[0].run.user
+            owners[run_id] = owner
+        return owners[run_id]
 
     async def _get(self, run_id: str, context: Context, *,
                    acting: bool = True) -> runs.StoredRun:

@@ -445,6 +445,73 @@ class WatchRunRequest(_message.Message):
 Global___WatchRunRequest: _TypeAlias = WatchRunRequest  # noqa: Y015
 
 @_typing.final
+class WatchEventsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RUN_ID_FIELD_NUMBER: _builtins.int
+    FOLLOW_FIELD_NUMBER: _builtins.int
+    SINCE_S_FIELD_NUMBER: _builtins.int
+    LIMIT_FIELD_NUMBER: _builtins.int
+    run_id: _builtins.str
+    """Only this run's events (its run, step and task events); empty: every event."""
+    follow: _builtins.bool
+    """Once caught up, keep sending new events as they are published."""
+    since_s: _builtins.float
+    """Start with the events stored at most this many seconds ago (0: see limit)."""
+    limit: _builtins.int
+    """At most this many of the events before now, the latest (0: 200 without run_id; every
+    event of the run with it; at most 5000). Without run_id they are the stream's last
+    events, of which a user gets those they may see.
+    """
+    def __init__(
+        self,
+        *,
+        run_id: _builtins.str = ...,
+        follow: _builtins.bool = ...,
+        since_s: _builtins.float = ...,
+        limit: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["follow", b"follow", "limit", b"limit", "run_id", b"run_id", "since_s", b"since_s"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WatchEventsRequest: _TypeAlias = WatchEventsRequest  # noqa: Y015
+
+@_typing.final
+class WatchEventsResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    EVENT_JSON_FIELD_NUMBER: _builtins.int
+    SUBJECT_FIELD_NUMBER: _builtins.int
+    SEQUENCE_FIELD_NUMBER: _builtins.int
+    STORED_AT_FIELD_NUMBER: _builtins.int
+    event_json: _builtins.str
+    """The event as published on NATS: a JSON object with its `type` tag and `at` (unix s)."""
+    subject: _builtins.str
+    """Its subject, e.g. m27.events.run.<run_id>.step.<step>."""
+    sequence: _builtins.int
+    """Its sequence number in the events stream (M27_EVENTS)."""
+    stored_at: _builtins.float
+    """When the stream stored it (unix seconds)."""
+    def __init__(
+        self,
+        *,
+        event_json: _builtins.str = ...,
+        subject: _builtins.str = ...,
+        sequence: _builtins.int = ...,
+        stored_at: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["event_json", b"event_json", "sequence", b"sequence", "stored_at", b"stored_at", "subject", b"subject"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WatchEventsResponse: _TypeAlias = WatchEventsResponse  # noqa: Y015
+
+@_typing.final
 class RetryRunRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

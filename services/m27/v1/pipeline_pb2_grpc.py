@@ -69,6 +69,11 @@ class PipelineServiceStub:
                 request_serializer=m27_dot_v1_dot_pipeline__pb2.PlanPipelineRequest.SerializeToString,
                 response_deserializer=m27_dot_v1_dot_pipeline__pb2.PlanPipelineResponse.FromString,
                 _registered_method=True)
+        self.WatchEvents = channel.unary_stream(
+                '/m27.v1.PipelineService/WatchEvents',
+                request_serializer=m27_dot_v1_dot_pipeline__pb2.WatchEventsRequest.SerializeToString,
+                response_deserializer=m27_dot_v1_dot_pipeline__pb2.WatchEventsResponse.FromString,
+                _registered_method=True)
 
 
 class PipelineServiceServicer:
@@ -129,6 +134,18 @@ class PipelineServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WatchEvents(self, request, context):
+        """The events stream (run, step, task and node events), each as the JSON it was published
+        as, oldest first: with run_id every event of that run, without it the stream's last
+        `limit` events. The stream ends once it has caught up, or with `follow` keeps going
+        with new events until the client goes away. A user sees node events and the events of
+        their own runs; an admin everything. NOT_FOUND for an unknown run, PERMISSION_DENIED
+        for another user's, RESOURCE_EXHAUSTED while too many streams are open.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PipelineServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -166,6 +183,11 @@ def add_PipelineServiceServicer_to_server(servicer, server):
                     servicer.PlanPipeline,
                     request_deserializer=m27_dot_v1_dot_pipeline__pb2.PlanPipelineRequest.FromString,
                     response_serializer=m27_dot_v1_dot_pipeline__pb2.PlanPipelineResponse.SerializeToString,
+            ),
+            'WatchEvents': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchEvents,
+                    request_deserializer=m27_dot_v1_dot_pipeline__pb2.WatchEventsRequest.FromString,
+                    response_serializer=m27_dot_v1_dot_pipeline__pb2.WatchEventsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -357,6 +379,33 @@ class PipelineService:
             '/m27.v1.PipelineService/PlanPipeline',
             m27_dot_v1_dot_pipeline__pb2.PlanPipelineRequest.SerializeToString,
             m27_dot_v1_dot_pipeline__pb2.PlanPipelineResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/m27.v1.PipelineService/WatchEvents',
+            m27_dot_v1_dot_pipeline__pb2.WatchEventsRequest.SerializeToString,
+            m27_dot_v1_dot_pipeline__pb2.WatchEventsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -79,6 +79,14 @@ class PipelineServiceStub:
     """Validates and plans a pipeline without running it: levels, resources, critical path,
     estimated start times (from earlier runs) and which steps would reuse cached results.
     """
+    WatchEvents: _grpc.UnaryStreamMultiCallable[_pipeline_pb2.WatchEventsRequest, _pipeline_pb2.WatchEventsResponse]
+    """The events stream (run, step, task and node events), each as the JSON it was published
+    as, oldest first: with run_id every event of that run, without it the stream's last
+    `limit` events. The stream ends once it has caught up, or with `follow` keeps going
+    with new events until the client goes away. A user sees node events and the events of
+    their own runs; an admin everything. NOT_FOUND for an unknown run, PERMISSION_DENIED
+    for another user's, RESOURCE_EXHAUSTED while too many streams are open.
+    """
 
 @_typing.type_check_only
 class PipelineServiceAsyncStub(PipelineServiceStub):
@@ -107,6 +115,14 @@ class PipelineServiceAsyncStub(PipelineServiceStub):
     PlanPipeline: _aio.UnaryUnaryMultiCallable[_pipeline_pb2.PlanPipelineRequest, _pipeline_pb2.PlanPipelineResponse]  # type: ignore[assignment]
     """Validates and plans a pipeline without running it: levels, resources, critical path,
     estimated start times (from earlier runs) and which steps would reuse cached results.
+    """
+    WatchEvents: _aio.UnaryStreamMultiCallable[_pipeline_pb2.WatchEventsRequest, _pipeline_pb2.WatchEventsResponse]  # type: ignore[assignment]
+    """The events stream (run, step, task and node events), each as the JSON it was published
+    as, oldest first: with run_id every event of that run, without it the stream's last
+    `limit` events. The stream ends once it has caught up, or with `follow` keeps going
+    with new events until the client goes away. A user sees node events and the events of
+    their own runs; an admin everything. NOT_FOUND for an unknown run, PERMISSION_DENIED
+    for another user's, RESOURCE_EXHAUSTED while too many streams are open.
     """
 
 class PipelineServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -175,6 +191,20 @@ class PipelineServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_pipeline_pb2.PlanPipelineResponse, _abc.Awaitable[_pipeline_pb2.PlanPipelineResponse]]:
         """Validates and plans a pipeline without running it: levels, resources, critical path,
         estimated start times (from earlier runs) and which steps would reuse cached results.
+        """
+
+    @_abc_1.abstractmethod
+    def WatchEvents(
+        self,
+        request: _pipeline_pb2.WatchEventsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_pipeline_pb2.WatchEventsResponse], _abc.AsyncIterator[_pipeline_pb2.WatchEventsResponse]]:
+        """The events stream (run, step, task and node events), each as the JSON it was published
+        as, oldest first: with run_id every event of that run, without it the stream's last
+        `limit` events. The stream ends once it has caught up, or with `follow` keeps going
+        with new events until the client goes away. A user sees node events and the events of
+        their own runs; an admin everything. NOT_FOUND for an unknown run, PERMISSION_DENIED
+        for another user's, RESOURCE_EXHAUSTED while too many streams are open.
         """
 
 def add_PipelineServiceServicer_to_server(servicer: PipelineServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
