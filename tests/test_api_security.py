@@ -164,6 +164,7 @@ async def test_a_user_can_neither_see_nor_change_another_users_run(lab: Cluster,
         "CancelRun step": alice.CancelRun(pb.CancelRunRequest(run_id=run_id, step="a")),
         "RetryRun": alice.RetryRun(pb.RetryRunRequest(run_id=run_id)),
         "WatchRun": alice.WatchRun(pb.WatchRunRequest(run_id=run_id)),
+        "WatchEvents": alice.WatchEvents(pb.WatchEventsRequest(run_id=run_id)),
         "StreamLogs": logs.StreamLogs(cluster_pb2.StreamLogsRequest(run_id=run_id, step="a")),
         "ListRuns bob": alice.ListRuns(pb.ListRunsRequest(user="bob")),
     }

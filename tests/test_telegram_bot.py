@@ -168,6 +168,13 @@ async def test_an_allowed_user_submits_a_file_hears_it_end_and_gets_its_report(
     assert notice.data.startswith(b"\x89PNG")
     assert notice.text.startswith(f"✅ run {run_id} (train) succeeded after ")
     assert notice.text.endswith("loss 0.3")
+    assert notice.reply_markup == {"inline_keyboard": [[
+        {"text": "Report", "callback_data": f"report:{run_id}"}]]}
+    events = bot_system.m27("events", "--run", run_id, "--json")  # under m27 up's users
+    assert events.returncode == 0, events.stderr
+    kinds = [json.loads(line)["type"] for line in events.stdout.splitlines()]
+    assert kinds[0] == "run_submitted"
+    assert "report_ready" in kinds
     (listed,) = await say(api, ALICE, "/runs")
     assert run_id in listed.text
     before = len(api.sent(ALICE))

@@ -221,3 +221,42 @@ def route(notice: Notice, rules: Iterable[Rule], defaults: dict[ChannelKind, tup
 def subscription_rules(subscriptions: Iterable[Subscription]) -> tuple[Rule, ...]:
     """The rules the stored chat subscriptions stand for."""
     return tuple(sub.rule() for sub in subscriptions)
+
+
+# ---------------------------------------------------------------- Telegram buttons
+
+#: What a chat button under a run's message does; its callback data is `<action>:<run_id>`
+#: (the bot's messages and the notifier's notices both use these, and the bot reads them).
+ButtonAction = Literal["status", "cancel", "retry", "report"]
+BUTTON_ACTIONS: Final[tuple[ButtonAction, ...]] = get_args(ButtonAction)
+_RUN_ID: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,60}")
+
+
+def button_data(action: ButtonAction, run_id: str) -> str:
+    """A button's callback data (Telegram allows 64 bytes)."""
+    return f"{action}:{run_id}"
+
+
+def read_button(data: str) -> tuple[ButtonAction, str] | None:
+    """(action, run id) of a button's callback data; None for anything else."""
+    action, _, run_id = data.partition(":")
+    for known in BUTTON_ACTIONS:
+        if action == known and _RUN_ID.fullmatch(run_id):
+            return known, run_id
+    return None
+
+
+def notice_buttons(notice: Notice) -> tuple[tuple[str, str], ...]:
+    """The buttons under a notice in a chat (label, callback data): a run's end offers
+    its report (and a retry when it did not succeed), a running task's trouble its
+    status and a cancel."""
+    if not notice.run_id:
+        return ()
+    if notice.kind in RUN_ENDS:
+        buttons = [("Report", button_data("report", notice.run_id))]
+        if notice.kind != "run_succeeded":
+            buttons.append(("Retry", button_data("retry", notice.run_id)))
+        return tuple(buttons)
+    return (("Status", button_data("status", notice.run_id)),
+            ("Cancel", button_data("cancel", notice.run_id)))
+

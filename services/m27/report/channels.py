@@ -9,6 +9,7 @@ rejects). Deduplication and retries are the notifier's (`m27.report.notify`).
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import socket
 import time
@@ -25,7 +26,7 @@ from m27 import __version__
 from m27.common.config import Config, NotifySection, TelegramSection
 from m27.common.errors import ConfigError, M27Error, Unavailable
 from m27.common.logging import get_logger
-from m27.common.notifications import ChannelKind, Notice
+from m27.common.notifications import ChannelKind, Notice, notice_buttons
 from m27.common.secret_files import read_secret
 from m27.report.notices import subject_line
 
@@ -190,14 +191,18 @@ class Telegram:
 
     async def send(self, notice: Notice, target: str, image: bytes | None) -> None:
         lock = self._locks.setdefault(target, asyncio.Lock())
+        buttons = notice_buttons(notice)
+        markup = {"reply_markup": json.dumps({"inline_keyboard": [[
+            {"text": label, "callback_data": data} for label, data in buttons]]})
+        } if buttons else {}
         async with lock:
             if image is not None and len(notice.text) <= CAPTION_MAX:
                 await self._call(target, "sendPhoto", {"chat_id": target,
-                                                       "caption": notice.text},
+                                                       "caption": notice.text, **markup},
                                  files={"photo": ("curve.png", image, "image/png")})
                 return
             await self._call(target, "sendMessage",
-                             {"chat_id": target, "text": notice.text[:TEXT_MAX]})
+                             {"chat_id": target, "text": notice.text[:TEXT_MAX], **markup})
             if image is not None:
                 await self._call(target, "sendPhoto", {"chat_id": target},
                                  files={"photo": ("curve.png", image, "image/png")})

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import re
 import shlex
-from typing import Final, Literal
+from typing import Final
 
 import msgspec
 
 from m27.common import notifications
 from m27.common.ids import is_valid_run_id
-from m27.common.notifications import NoticeKind
+from m27.common.notifications import ButtonAction, NoticeKind, read_button
 from m27.pipeline import MAX_PIPELINE_BYTES
 from m27.telegram import text
 from m27.telegram.allow import AllowList
@@ -86,7 +86,7 @@ class Runs(msgspec.Struct, frozen=True, tag=True):
     limit: int = DEFAULT_RUNS_LISTED
 
 
-RunAction = Literal["status", "cancel", "retry", "report"]
+RunAction = ButtonAction  # a command on a run, typed or pressed
 
 
 class OnRun(msgspec.Struct, frozen=True, tag=True):
@@ -150,10 +150,10 @@ def decide(message: Incoming, allow: AllowList, bot_username: str = "") -> Decis
 
 
 def _button(data: str, user: str) -> Decision:
-    action, _, run_id = data.partition(":")
-    if action not in ("status", "cancel", "report") or not is_valid_run_id(run_id):
+    pressed = read_button(data)
+    if pressed is None or not is_valid_run_id(pressed[1]):
         return Say("That button is no longer understood; send /help.")
-    return Act(user=user, command=OnRun(action=action, run_id=run_id))  # type: ignore[arg-type]
+    return Act(user=user, command=OnRun(action=pressed[0], run_id=pressed[1]))
 
 
 def parse(message: str, document: Document | None = None,

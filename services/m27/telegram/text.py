@@ -17,7 +17,7 @@ import msgspec
 from m27.client import NodeStatus, RunSummary
 from m27.client.scheduler import QueueItem
 from m27.common.model import RunRecord, StepRecord
-from m27.common.notifications import Subscription
+from m27.common.notifications import Subscription, button_data
 from m27.common.units import format_duration
 
 #: Telegram's limits: a message's text, a photo's or document's caption (UTF-16 units).
@@ -218,10 +218,10 @@ def no_report_text(run: RunRecord, path: str) -> str:
 
 def run_buttons(run_id: str, ended: bool) -> tuple[tuple[str, str], ...]:
     """A run message's buttons: Status, Cancel (while it runs), Report."""
-    buttons = [("Status", f"status:{run_id}")]
+    buttons = [("Status", button_data("status", run_id))]
     if not ended:
-        buttons.append(("Cancel", f"cancel:{run_id}"))
-    buttons.append(("Report", f"report:{run_id}"))
+        buttons.append(("Cancel", button_data("cancel", run_id)))
+    buttons.append(("Report", button_data("report", run_id)))
     return tuple(buttons)
 
 

@@ -15,9 +15,12 @@ from m27.common.notifications import (
     Notice,
     Rule,
     Subscription,
+    button_data,
     kinds_of,
     matches,
+    notice_buttons,
     parse_rules,
+    read_button,
     route,
 )
 
@@ -132,3 +135,26 @@ def test_a_notice_goes_to_each_place_once_and_only_where_a_rule_sends_it(
             for target in (rule.target,) if rule.target else defaults[rule.channel]:
                 expected.add(Delivery(channel=rule.channel, target=target).key)
     assert {p.key for p in places} == expected
+
+
+@given(st.sampled_from(("status", "cancel", "retry", "report")),
+       st.from_regex(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,60}", fullmatch=True))
+def test_a_buttons_data_reads_back_and_fits_telegrams_64_bytes(action: str, run_id: str) -> None:
+    data = button_data(action, run_id)  # type: ignore[arg-type]
+    assert read_button(data) == (action, run_id)
+    assert len(data.encode()) <= 64
+
+
+@pytest.mark.parametrize("data", ["", "report", "delete:r-1", "report:", "report:a b",
+                                  "report:../x", "status:" + "r" * 80])
+def test_anything_else_is_no_button(data: str) -> None:
+    assert read_button(data) is None
+
+
+def test_a_failed_run_offers_its_report_and_a_retry_and_a_cluster_notice_nothing() -> None:
+    assert notice_buttons(notice(kind="run_failed")) == (
+        ("Report", "report:r-1"), ("Retry", "retry:r-1"))
+    assert notice_buttons(notice(kind="run_succeeded")) == (("Report", "report:r-1"),)
+    assert notice_buttons(notice(kind="training_anomaly")) == (
+        ("Status", "status:r-1"), ("Cancel", "cancel:r-1"))
+    assert notice_buttons(notice(kind="node_lost", run_id="")) == ()
