@@ -103,6 +103,9 @@ class SchedulerSection(msgspec.Struct, frozen=True, kw_only=True):
     peer_yield_gpu_hours: Annotated[float, msgspec.Meta(ge=0.0)] = 4.0
     # Prometheus /metrics (preemptions, decisions); port 0: a free one; empty: off.
     metrics_bind: str = "127.0.0.1:0"
+    # One copy acts, holding a lease it renews (docs/reliability.md, "Safe singletons"): a
+    # standby takes over within lease + 2 s after the active copy stops renewing.
+    lease: Annotated[float, msgspec.Meta(ge=1.0, le=600.0, extra={_KIND: "duration"})] = 10.0
 
 
 class PerformanceSection(msgspec.Struct, frozen=True, kw_only=True):

@@ -218,6 +218,7 @@ FENCES_BUCKET: Final = "m27_fences"
 MAINTENANCE_BUCKET: Final = "m27_maintenance"
 SECRETS_BUCKET: Final = "m27_secrets"
 SUBSCRIPTIONS_BUCKET: Final = "m27_subscriptions"
+LEASES_BUCKET: Final = "m27_leases"
 NOTIFIED_BUCKET: Final = "m27_notified"
 #: How long a delivered notification is remembered (a redelivery older than this could be
 #: sent again; the events stream keeps 30 days, but a consumer is never that far behind).
@@ -273,6 +274,12 @@ BUCKETS: Final[tuple[BucketSpec, ...]] = (
         description="Orchestrator (alone): run_id.set.nonce → one set of a run's secret "
         "environment values; node-agents ask for a step's on SECRETS_REQUEST.",
         max_value_size=512 * 1024, ttl_s=SECRETS_TTL_S, visible_to=("orchestrator",),
+    ),
+    BucketSpec(
+        name=LEASES_BUCKET,
+        description="<service> → the lease of its one active copy (leases.Lease: holder, "
+        "fencing token); renewed by compare-and-set, taken over when not renewed.",
+        max_value_size=4 * 1024,
     ),
     BucketSpec(
         name=SUBSCRIPTIONS_BUCKET,

@@ -23,6 +23,7 @@ from m27.common import events, subjects
 from m27.common.bus import Bus
 from m27.common.errors import ConfigError
 from m27.common.ids import is_valid_task_id
+from m27.common.leader import FencedBus, Leadership
 from m27.common.logging import bound_contextvars, get_logger
 from m27.common.metrics import MetricsServer
 from m27.common.model import NodeInfo
@@ -69,6 +70,12 @@ class Scheduler:
         # Handlers and decisions interleave at every await; one at a time keeps the task
         # table consistent with what was published.
         self.lock = asyncio.Lock()
+
+    def reset(self) -> None:
+        """Forget what this copy knew (it rebuilds from the buckets in `load`)."""
+        self.nodes, self.seen, self.maintenance = {}, {}, {}
+        self.lost.clear()
+        self.table.entries.clear()
 
     @property
     def entries(self) -> dict[str, TaskEntry]:
@@ -373,36 +380,52 @@ class Scheduler:
 
 
 async def serve(rt: ServiceRuntime) -> None:
-    bus = await rt.connect()
+    """Serve the API at once; act (consume, decide) only while this copy holds the
+    scheduler's lease (`m27.common.leader`): a second copy is a standby."""
+    nats = await rt.connect()
+    leadership = Leadership(nats, "scheduler", rt.instance, ttl_s=rt.config.scheduler.lease)
     settings = policy_settings(rt.config)
-    scheduler = Scheduler(bus, rt.config.scheduler.node_timeout, rt.config.scheduler.tick,
-                          settings)
+    scheduler = Scheduler(FencedBus(nats, leadership), rt.config.scheduler.node_timeout,
+                          rt.config.scheduler.tick, settings)
     await rt.serve_grpc([api.SchedulerServicer(scheduler).register],
                         api.SERVICE_NAMES)
-    # Listen before loading: a node that registers in between is then seen by one or the
-    # other, never by neither (which would leave it unused until the next refresh).
-    heartbeats = await bus.nc.subscribe(subjects.HEARTBEAT_ALL, cb=scheduler.on_heartbeat)
-    node_events = await bus.nc.subscribe(subjects.NODE_EVENTS_ALL, cb=scheduler.on_node_event)
-    await bus.nc.flush()
-    await scheduler.load()
-    rt.spawn(bus_module.consume(
-        bus.js, stream=subjects.COMMANDS_STREAM, durable=subjects.SCHEDULER_COMMAND_CONSUMER,
-        filter_subject=subjects.SCHEDULER_COMMANDS, handle=scheduler.on_command,
-        stop=rt.stop), "commands")
-    rt.spawn(bus_module.consume(
-        bus.js, stream=subjects.EVENTS_STREAM, durable=subjects.SCHEDULER_TASK_EVENTS,
-        filter_subject=subjects.TASK_EVENTS_ALL, handle=scheduler.on_task_event,
-        stop=rt.stop), "task-events")
-    rt.spawn(scheduler.loop(rt.stop), "decisions")
     metrics = await _start_metrics(rt.config.scheduler.metrics_bind, scheduler)
+
+    async def act() -> None:
+        scheduler.reset()  # a copy that acts again starts from the buckets, not its memory
+        # Listen before loading: a node that registers in between is then seen by one or
+        # the other, never by neither (which would leave it unused until the next refresh).
+        heartbeats = await nats.nc.subscribe(subjects.HEARTBEAT_ALL, cb=scheduler.on_heartbeat)
+        node_events = await nats.nc.subscribe(subjects.NODE_EVENTS_ALL,
+                                              cb=scheduler.on_node_event)
+        try:
+            await nats.nc.flush()
+            await scheduler.load()
+            if not rt.is_ready:
+                await rt.ready(metrics_address=metrics[1] if metrics else "")
+            async with asyncio.TaskGroup() as acting:
+                acting.create_task(bus_module.consume(
+                    nats.js, stream=subjects.COMMANDS_STREAM,
+                    durable=subjects.SCHEDULER_COMMAND_CONSUMER,
+                    filter_subject=subjects.SCHEDULER_COMMANDS, handle=scheduler.on_command,
+                    stop=rt.stop))
+                acting.create_task(bus_module.consume(
+                    nats.js, stream=subjects.EVENTS_STREAM,
+                    durable=subjects.SCHEDULER_TASK_EVENTS,
+                    filter_subject=subjects.TASK_EVENTS_ALL, handle=scheduler.on_task_event,
+                    stop=rt.stop))
+                acting.create_task(scheduler.loop(rt.stop))
+        finally:
+            with contextlib.suppress(Exception):
+                await heartbeats.unsubscribe()
+                await node_events.unsubscribe()
+
+    rt.spawn(leadership.run(act, rt.stop), "leadership")
     try:
-        await rt.ready(metrics_address=metrics[1] if metrics else "")
         await rt.stop.wait()
     finally:
         if metrics:
             await metrics[0].close()
-    await heartbeats.unsubscribe()
-    await node_events.unsubscribe()
 
 
 async def _start_metrics(bind: str, scheduler: Scheduler) -> tuple[MetricsServer, str] | None:
