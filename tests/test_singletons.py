@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from m27.client import Client
+from m27.embedded.processes import wait_ready
 from tests.support import Cluster, finished_run, service_log, wait_for
 
 pytestmark = pytest.mark.integration
@@ -47,5 +49,39 @@ async def test_a_second_scheduler_waits_and_takes_over_when_the_first_dies(
                                                                  workdir=str(tmp_path)))
             assert run.state == "succeeded", system.logs()
             assert [s.attempt for s in run.steps] == [1, 1, 1]
+    finally:
+        system.stop()
+
+
+SLOW = """\
+pipeline:
+  - name: a
+    command: sleep 2
+  - name: b
+    command: echo b
+    depends_on: [a]
+"""
+
+
+async def test_two_orchestrators_both_serve_and_either_may_die(tmp_path: Path) -> None:
+    """The orchestrator is safe with several active copies by design (every change a
+    compare-and-set on the run, its messages sent from an outbox with stable ids): runs
+    submitted through either finish when one is killed mid-run, each step once."""
+    system = Cluster(tmp_path)
+    system.start()
+    try:
+        second = system.launch("orchestrator-2", "m27.orchestrator", ["--instance", "o2"])
+        wait_ready([second])
+        first = system.processes["orchestrator"]
+        runs = []
+        for proc in (first, second, first, second):
+            async with Client(proc.grpc_address, access=system.access) as client:
+                runs.append(await client.submit(SLOW, workdir=str(tmp_path)))
+        os.kill(first.pid, signal.SIGKILL)
+        async with Client(second.grpc_address, access=system.access) as client:
+            for run_id in runs:
+                run = await finished_run(client, run_id, timeout=120)
+                assert run.state == "succeeded", system.logs()
+                assert [s.attempt for s in run.steps] == [1, 1], run
     finally:
         system.stop()
