@@ -36,6 +36,12 @@ def add_commands(sub: Subparsers) -> None:
     up.add_argument("--gpus", metavar="SPEC",
                     help="GPUs of each node-agent: auto (NVML), none, sim:N, sim:NxMEM "
                     "(default: the real GPUs if NVML finds any, else sim:2 — simulated)")
+    up.add_argument("--nats-cluster", type=int, default=1, metavar="N",
+                    help="run NATS as a JetStream cluster of N servers on this machine (3 "
+                    "or 5; streams and buckets get 3 replicas, the services spread over the "
+                    "servers and fail over when one dies; `m27 up` again starts a dead one). "
+                    "Its store is $M27_HOME/nats-cluster, apart from the one server's "
+                    "(default: 1, one server)")
     add(sub, "down", "stop every process `m27 up` started (runs are kept)", cmd_down)
     status = add(sub, "status", "show what runs on this machine", cmd_status)
     status.add_argument("--json", action="store_true", help="machine-readable output")
@@ -62,8 +68,21 @@ def cmd_up(args: argparse.Namespace) -> int:
     home = args.home
     print(f"starting m27 under {home} …", file=sys.stderr, flush=True)
     cfg = config(args)
+    before = system.read_state(home)
+    dead = {row.name for row in system.statuses(before) if not row.alive} if before else set()
     state, started = system.up(home, nodes=args.nodes, gpus=args.gpus, config=cfg.nats,
-                               telegram=bot_configured(cfg.telegram))
+                               telegram=bot_configured(cfg.telegram),
+                               nats_cluster=args.nats_cluster)
+    if not started and (revived := sorted(n.name for n in state.nats_servers
+                                          if n.name in dead)):
+        print(f"started {', '.join(revived)} again: it rejoins the NATS cluster and "
+              "catches up from the others")
+    elif not started and len(state.nats_servers or [0]) != args.nats_cluster:
+        print(f"m27: already running with {len(state.nats_servers or [0])} NATS server(s); "
+              "`m27 down` first to change --nats-cluster", file=sys.stderr)
+    if not started and (admitted := system.admit_nodes(home)):
+        print(f"admitted node(s) {', '.join(admitted)} to the bus (their seeds are in "
+              f"{system.credentials_dir(home)}): each may now join with `m27 agent`")
     print_up(state, started)
     return 0
 
@@ -72,11 +91,20 @@ def print_up(state: system.EmbeddedState, started: bool) -> None:
     verb = "started" if started else "already running"
     gpus = f"{state.gpus} (simulated GPUs: no NVIDIA GPU found)" if state.simulated_gpus \
         else state.gpus
-    print(f"m27 {verb}: api {state.api}, nats {state.nats_url}, "
+    print(f"m27 {verb}: api {state.api}, nats {nats_summary(state)}, "
           f"{sum(p.name.startswith('node-agent') for p in state.processes)} node(s), "
           f"GPUs {gpus}")
     if url := system.dashboard_url(state):
         print(f"dashboard {url} (`m27 dashboard` prints a link that signs you in)")
+
+
+def nats_summary(state: system.EmbeddedState) -> str:
+    """The bus in a line: its URL, or a cluster's size and replicas (each server is a row
+    of `m27 status`)."""
+    if not state.nats_servers:
+        return state.nats_url
+    return (f"cluster of {len(state.nats_servers)} servers ({system.CLUSTER_REPLICAS} "
+            f"replicas) {state.nats_url}")
 
 
 def cmd_dashboard(args: argparse.Namespace) -> int:
@@ -112,13 +140,14 @@ def cmd_status(args: argparse.Namespace) -> int:
     if args.json:
         print(system.status_json(state, dead))
         return 0
-    print(f"m27 under {state.home}: api {state.api}, nats {state.nats_url}, GPUs {state.gpus}"
+    print(f"m27 under {state.home}: api {state.api}, nats {nats_summary(state)}, "
+          f"GPUs {state.gpus}"
           + (" (simulated)" if state.simulated_gpus else ""))
     if url := system.dashboard_url(state):
         print(f"  dashboard {url}")
     for row in system.statuses(state):
         mark = "up  " if row.alive else "DOWN"
-        print(f"  {mark} {row.name:<18} pid {row.pid:<8} {row.grpc_address}")
+        print(f"  {mark} {row.name:<18} pid {row.pid:<8} {row.grpc_address or row.nats_url}")
     if dead:
         print(f"  {dead} dead letter(s): messages a service rejected or kept failing on, kept "
               f"with the reason in stream {subjects.DEAD_STREAM} ({subjects.DEAD_ALL}); the "
@@ -186,7 +215,8 @@ def closing_note(state: system.EmbeddedState, *, started: bool, stopped: bool) -
     """What the demo leaves running, and how to stop it."""
     if stopped:
         return "m27: stopped the system the demo started (--down)"
-    names = ", ".join(["nats-server", *(p.name for p in state.processes)])
+    servers = [n.name for n in state.nats_servers] or ["nats-server"]
+    names = ", ".join([*servers, *(p.name for p in state.processes)])
     why = "the demo started it" if started else "it was running before the demo"
     return (f"m27 is still running under {state.home} ({why}): {names}. `m27 status` "
             "shows it, `m27 down` stops it" + ("; `m27 demo --down` stops what the demo "

