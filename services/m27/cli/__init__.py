@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 from m27 import __version__
 from m27.cli import (
+    _agent,
     _api,
     _bus,
     _checkpoints,
@@ -44,6 +45,7 @@ typical use:
   m27 simulate --trace FILE    replay a trace under scheduling policies (simulated GPUs)
   m27 bus credentials DIR      NATS users for a deployment (`m27 up` makes its own)
   m27 api token create --user alice   an API token for a lab member (docs/security.md)
+  m27 agent --nats URL --creds FILE   this machine joins a lab as a node (`m27 agent -h`)
   m27 down                     stop everything (runs are kept)
 
 environment: M27_HOME (data dir), M27_CONFIG (config file, default ~/.m2config),
@@ -75,6 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     _simulate.add_commands(sub)
     _bus.add_commands(sub)
     _api.add_commands(sub)
+    _agent.add_commands(sub)
     return parser
 
 
