@@ -46,9 +46,10 @@ copy_secrets() {
         for file in "$src"/*; do
             [ -f "$file" ] || continue
             name=$(basename "$file")
-            cp "$file" "$dest/.$name.tmp"
-            chmod 600 "$dest/.$name.tmp"
-            mv -f "$dest/.$name.tmp" "$dest/$name"
+            tmp="$dest/.$name.$$.tmp"
+            cp "$file" "$tmp"
+            chmod 600 "$tmp"
+            mv -f "$tmp" "$dest/$name"
         done
     done
 }
