@@ -22,11 +22,12 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 import yaml
 
 from m27.common import api_auth
-from m27.common.config import ApiSection
+from m27.common.config import ApiSection, Config
 from m27.common.credentials import authorization, ensure_seeds
 from m27.common.grpc_server import start_server
 from m27.common.principals import deployment
@@ -364,6 +365,33 @@ def test_the_rendered_nats_conf_is_valid_for_the_bundled_nats_server(
     assert done.returncode == 0, done.stdout + done.stderr
 
 
+#: M27_* variables that are not config keys: the environment of docs/configuration.md and
+#: the image's own (deploy/image/entrypoint.sh, health.py).
+OTHER_M27_VARIABLES = {"M27_HOME", "M27_CONFIG", "M27_LOG_LEVEL", "M27_TOKEN",
+                       "M27_SECRETS_FROM", "M27_SECRETS_DIR", "M27_GRPC_ADDRESS",
+                       "M27_HEALTH_TLS_NAME"}
+
+
+def config_variables() -> set[str]:
+    """Every M27_<SECTION>_<KEY> the services read (docs/configuration.md)."""
+    names = set()
+    for section in msgspec.structs.fields(Config):
+        for key in msgspec.structs.fields(section.type):
+            names.add(f"M27_{section.name.upper()}_{key.name.upper()}")
+    return names
+
+
+def test_every_m27_variable_of_the_manifests_is_one_m27_reads(
+        manifests: list[Manifest]) -> None:
+    """An unknown M27_* variable is silently ignored by the services: a typo would leave a
+    setting at its default."""
+    known = config_variables() | OTHER_M27_VARIABLES
+    for workload in workloads(manifests):
+        for container in containers(workload):
+            unknown = {n for n in env_of(manifests, container) if n.startswith("M27_")} - known
+            assert not unknown, f"{workload['metadata']['name']}: {sorted(unknown)}"
+
+
 # ---------------------------------------------------------------- compose
 
 
@@ -421,6 +449,14 @@ def test_compose_keeps_secrets_in_files_and_jetstream_durable(compose: Manifest)
     conf = (COMPOSE.parent / "nats.conf").read_text()
     assert re.search(r"^\s*sync_interval: always\b", conf, re.MULTILINE)
     assert re.search(r"^host: 127\.0\.0\.1$", conf, re.MULTILINE)
+
+
+def test_every_m27_variable_of_the_compose_files_is_one_m27_reads(compose: Manifest) -> None:
+    known = config_variables() | OTHER_M27_VARIABLES
+    team: Manifest = yaml.safe_load((COMPOSE.parent / "compose.team.yaml").read_text())
+    for name, service in [*compose["services"].items(), *team["services"].items()]:
+        unknown = {n for n in service.get("environment", {}) if n.startswith("M27_")} - known
+        assert not unknown, f"{name}: {sorted(unknown)}"
 
 
 def test_the_team_override_moves_every_server_off_loopback_with_tls(
