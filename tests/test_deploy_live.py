@@ -67,7 +67,8 @@ pipeline:
     depends_on: [prep]
     checkpoint: 1s
     command: >-
-      trap 'echo state > "$M27_CHECKPOINT_DIR/state.txt"' USR1;
+      echo state > "$M27_CHECKPOINT_DIR/state.txt";
+      trap 'date >> "$M27_CHECKPOINT_DIR/state.txt"' USR1;
       for i in 1 2; do sleep 1; done; echo trained
 """
 
@@ -296,9 +297,14 @@ def test_a_pipeline_runs_through_the_single_server_overlay_as_configured(
                                  + machine.log("orchestrator"))
     run_id = re.search(r"r-\d{8}-\d{6}-[0-9a-f]{6}", run.stdout + run.stderr)
     assert run_id is not None
-    listed = subprocess.run([str(BIN / "m27"), "checkpoints", run_id[0]], env=cli,
-                            capture_output=True, text=True, timeout=60)
-    assert listed.returncode == 0, listed.stderr
-    assert re.search(r"^train\s+c-\S+\s+files\b", listed.stdout, re.MULTILINE), listed.stdout
+    for _ in range(10):  # the last upload may land just after the step's end is reported
+        listed = subprocess.run([str(BIN / "m27"), "checkpoints", run_id[0]], env=cli,
+                                capture_output=True, text=True, timeout=60)
+        assert listed.returncode == 0, listed.stderr
+        if re.search(r"^train\s+c-\S+\s+files\b", listed.stdout, re.MULTILINE):
+            break
+        time.sleep(0.5)
+    else:
+        pytest.fail(f"no checkpoint files stored:\n{listed.stdout}{machine.log('node-agent')}")
     # the services registered the names their pods' hostnames give them (not 127.0.0.1)
     assert f"grpc_address\": \"{HOST}:{machine.ports[7072]}" in machine.log("checkpoint-store")
