@@ -158,6 +158,7 @@ class BotApi:
 
     def stop(self) -> None:
         if self._thread is None:
+            self._loop.close()
             return
 
         async def shutdown() -> None:
@@ -174,6 +175,8 @@ class BotApi:
             asyncio.run_coroutine_threadsafe(shutdown(), self._loop).result(10)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(10)
+        if not self._thread.is_alive():
+            self._loop.close()  # else its self-pipe sockets leak into a later test's warnings
         self._thread = None
 
     def __enter__(self) -> BotApi:

@@ -254,8 +254,14 @@ def _finite(value: object) -> float | None:
     return None
 
 
+#: Beyond this a colour scale's span overflows (matplotlib computes max − min and ticks
+#: in floats): such values are left out like NaN.
+_DRAWABLE: Final = 1e300
+
+
 def _finite_metric(row: Row, metric: str) -> float | None:
-    return _finite(row.get(metric))
+    value = _finite(row.get(metric))
+    return value if value is not None and abs(value) <= _DRAWABLE else None
 
 
 @dataclass(frozen=True, slots=True)
