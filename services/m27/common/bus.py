@@ -585,6 +585,12 @@ def decode_or_poison(data: bytes, decode: Callable[[bytes], T]) -> T:
         raise PoisonMessage(f"undecodable message: {exc}") from exc
 
 
+async def fence_of(bus: Bus, task_id: str) -> Fence | None:
+    """The task's current assignment (None once it is over: its fence is deleted)."""
+    got = await bus.kv_get(subjects.FENCES_BUCKET, subjects.task_key(task_id), Fence)
+    return got[0] if got else None
+
+
 async def task_event_or_poison(bus: Bus, subject: str, data: bytes) -> events.Event:
     """Decode a task event and check who sent it (`principals.sender_problem`, with the
     task's fence when a node reports on it); PoisonMessage when it cannot be what it
@@ -594,8 +600,7 @@ async def task_event_or_poison(bus: Bus, subject: str, data: bytes) -> events.Ev
     node_id = getattr(event, "node_id", None)
     task_id = getattr(event, "task_id", None)
     if subject.rsplit(".", 1)[-1].startswith("node-") and node_id and task_id:
-        got = await bus.kv_get(subjects.FENCES_BUCKET, subjects.task_key(task_id), Fence)
-        fence = got[0] if got else None
+        fence = await fence_of(bus, task_id)
     problem = principals.sender_problem(subject, event, fence)
     if problem:
         raise PoisonMessage(f"refused: {problem}")

@@ -23,7 +23,8 @@ import httpx
 import msgspec
 
 from m27 import __version__
-from m27.common.config import Config, NotifySection, TelegramSection
+from m27.common.bot_token import read_token
+from m27.common.config import Config, NotifySection
 from m27.common.errors import ConfigError, M27Error, Unavailable
 from m27.common.logging import get_logger
 from m27.common.notifications import ChannelKind, Notice, notice_buttons
@@ -62,7 +63,7 @@ def make_channels(config: Config) -> dict[ChannelKind, Channel]:
     found: dict[ChannelKind, Channel] = {"webhook": Webhook(config.notify.webhook_timeout)}
     if config.notify.smtp_host:
         found["email"] = Email(config.notify)
-    token = telegram_token(config.telegram)
+    token, _ = read_token(config.telegram)
     if token:
         found["telegram"] = Telegram(token, config.telegram.api_url)
     return found
@@ -163,16 +164,6 @@ class Email:
 
 
 # ---------------------------------------------------------------- Telegram
-
-
-def telegram_token(section: TelegramSection) -> str:
-    """`[telegram] token`, else the content of `token_file`; "" when neither is set."""
-    if section.token:
-        return section.token
-    if section.token_file:
-        return read_secret(Path(section.token_file).expanduser(),
-                           "Telegram token file").decode()
-    return ""
 
 
 class Telegram:

@@ -32,7 +32,7 @@ from m27.common.bus import Bus
 from m27.common.config import NotifySection
 from m27.common.errors import ConfigError, Unavailable
 from m27.common.logging import get_logger
-from m27.common.model import Fence, RunRecord
+from m27.common.model import RunRecord
 from m27.common.notifications import (
     ChannelKind,
     Delivery,
@@ -192,7 +192,7 @@ class Notifier:
         if isinstance(event, events.TrainingAnomaly):
             if "notify" not in event.actions:
                 return None, None
-            fence = await _fence(self._nats, event.task_id)
+            fence = await bus.fence_of(self._nats, event.task_id)
             if sender_problem(subject, event, fence):
                 return None, None  # forged; the report's task-events consumer buries it
             return notices.anomaly(event, await self._user_of(event.run_id)), None
@@ -310,11 +310,6 @@ class _Queued(msgspec.Struct, frozen=True):
     queued_at: float
     placement: dict[str, object] | None = None
     wait_reason: str = ""
-
-
-async def _fence(nats: Bus, task_id: str) -> Fence | None:
-    found = await nats.kv_get(subjects.FENCES_BUCKET, subjects.task_key(task_id), Fence)
-    return None if found is None else found[0]
 
 
 def describe_rules(rules: Sequence[Rule]) -> list[str]:

@@ -13,6 +13,7 @@ from urllib.parse import urlsplit
 
 import msgspec
 
+from m27.common.bot_token import read_token
 from m27.common.config import TelegramSection
 from m27.common.errors import ConfigError
 from m27.common.secret_files import read_secret
@@ -61,12 +62,7 @@ def load(section: TelegramSection) -> BotSettings:
 
 def token(section: TelegramSection) -> str:
     """`[telegram] token` ($M27_TELEGRAM_TOKEN), else the content of `token_file`."""
-    value = section.token.strip()
-    where = "[telegram] token"
-    if not value and section.token_file.strip():
-        path = Path(section.token_file.strip()).expanduser()
-        value = read_secret(path, "Telegram bot token file").decode("utf-8", "replace")
-        where = f"the Telegram bot token file {path}"
+    value, where = read_token(section)
     if not value:
         raise ConfigError(f"no Telegram bot token: set {WHERE_IT_GOES}")
     if not _TOKEN.fullmatch(value):
