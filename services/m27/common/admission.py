@@ -22,6 +22,25 @@ Context = grpc.aio.ServicerContext[Any, Any]
 Continuation = Callable[[grpc.HandlerCallDetails], Awaitable[Any]]
 
 
+Single = Callable[[Any, Context], Awaitable[Any]]
+Streaming = Callable[[Any, Context], AsyncIterator[Any]]
+
+
+def wrap_handler(handler: Any, single: Callable[[Single], Single],
+                 streaming: Callable[[Streaming], Streaming]) -> Any:
+    """`handler` (an RpcMethodHandler) with its behaviour wrapped: `single` for calls with
+    one response, `streaming` for calls that stream their responses."""
+    if handler.unary_unary is not None:
+        return handler._replace(unary_unary=single(handler.unary_unary))
+    if handler.stream_unary is not None:
+        return handler._replace(stream_unary=single(handler.stream_unary))
+    if handler.unary_stream is not None:
+        return handler._replace(unary_stream=streaming(handler.unary_stream))
+    if handler.stream_stream is not None:
+        return handler._replace(stream_stream=streaming(handler.stream_stream))
+    return handler
+
+
 class Admission(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
     """Counts the calls in progress (streams until they end) and refuses beyond `limit`."""
 
@@ -35,15 +54,7 @@ class Admission(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
         handler: Any = await continuation(details)
         if handler is None or details.method.startswith(HEALTH_PREFIX):
             return handler
-        if handler.unary_unary is not None:
-            return handler._replace(unary_unary=self._single(handler.unary_unary))
-        if handler.stream_unary is not None:
-            return handler._replace(stream_unary=self._single(handler.stream_unary))
-        if handler.unary_stream is not None:
-            return handler._replace(unary_stream=self._streaming(handler.unary_stream))
-        if handler.stream_stream is not None:
-            return handler._replace(stream_stream=self._streaming(handler.stream_stream))
-        return handler
+        return wrap_handler(handler, self._single, self._streaming)
 
     async def _admit(self, context: Context) -> None:
         if self.active >= self.limit:
@@ -53,8 +64,7 @@ class Admission(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
                                 "in a moment")
         self.active += 1
 
-    def _single(self, behavior: Callable[[Any, Context], Awaitable[Any]]
-                ) -> Callable[[Any, Context], Awaitable[Any]]:
+    def _single(self, behavior: Single) -> Single:
         async def admitted(request: Any, context: Context) -> Any:
             await self._admit(context)
             try:
@@ -64,8 +74,7 @@ class Admission(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
 
         return admitted
 
-    def _streaming(self, behavior: Callable[[Any, Context], AsyncIterator[Any]]
-                   ) -> Callable[[Any, Context], AsyncIterator[Any]]:
+    def _streaming(self, behavior: Streaming) -> Streaming:
         async def admitted(request: Any, context: Context) -> AsyncIterator[Any]:
             await self._admit(context)
             try:

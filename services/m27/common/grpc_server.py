@@ -15,6 +15,7 @@ from m27.common.api_access import METHOD_ROLES
 from m27.common.api_auth import Authenticator, Keys, server_credentials
 from m27.common.config import ApiSection
 from m27.common.errors import M27Error
+from m27.common.outages import BusOutages
 from m27.common.tokens import ApiRole
 
 MAX_MESSAGE_BYTES: Final = 16 * 1024 * 1024
@@ -95,7 +96,8 @@ async def start_server(bind: str, registrations: Sequence[Register],
     credentials = server_credentials(bind, api or ApiSection())
     server = grpc.aio.server(options=SERVER_OPTIONS,
                              interceptors=[Admission(max_calls),
-                                           Authenticator(keys, table=method_roles)])
+                                           Authenticator(keys, table=method_roles),
+                                           BusOutages()])
     for register in registrations:
         register(server)
     health = HealthServicer()

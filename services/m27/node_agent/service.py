@@ -55,6 +55,10 @@ STOPPED_REASON: Final = "node agent stopped"
 REPORT_TIMEOUT_S: Final = 15.0
 CONSUMER_STOP_TIMEOUT_S: Final = 15.0
 FENCE_CHECK_S: Final = 0.25
+#: A renewal that failed (NATS busy electing a leader, a reconnect) is tried again after
+#: this, not after a whole heartbeat interval: the lease lapses fence_after after the last
+#: acknowledged one, and two lost intervals would already fence the node's tasks.
+RENEW_RETRY_S: Final = 0.5
 
 
 class NodeAgent:
@@ -100,6 +104,7 @@ class NodeAgent:
         self._heartbeats_stop = asyncio.Event()
         self._heartbeat_task: asyncio.Task[None] | None = None
         self._fence_task: asyncio.Task[None] | None = None
+        self._stale_task: asyncio.Task[None] | None = None
         self._sample_task: asyncio.Task[None] | None = None
         self._first_sample = asyncio.Event()
         self._consumer_task: asyncio.Task[None] | None = None
@@ -143,6 +148,7 @@ class NodeAgent:
             await asyncio.wait_for(self._first_sample.wait(), self._settings.heartbeat_interval)
         self._heartbeat_task = asyncio.create_task(self._heartbeat_loop(), name="heartbeats")
         self._fence_task = asyncio.create_task(self._fence_loop(), name="self-fencing")
+        self._stale_task = asyncio.create_task(self._stale_loop(), name="stale attempts")
         self._consumer_task = asyncio.create_task(self._consume(), name="node commands")
 
     async def _register(self) -> None:
@@ -176,12 +182,14 @@ class NodeAgent:
     async def _heartbeat_loop(self) -> None:
         interval = self._settings.heartbeat_interval
         while not self._heartbeats_stop.is_set():
+            pause = interval
             try:
                 await self._renew()
             except Exception as exc:  # a missed renewal must not end the loop
                 log.warning("node.lease_renewal_failed", error=str(exc) or type(exc).__name__)
+                pause = min(RENEW_RETRY_S, interval)
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._heartbeats_stop.wait(), interval)
+                await asyncio.wait_for(self._heartbeats_stop.wait(), pause)
 
     async def _announce_stopping(self, reason: str) -> None:
         """Before the tasks are stopped: so the scheduler places nothing more here (the
@@ -219,7 +227,6 @@ class NodeAgent:
             running=self.runner.running_ids(), incarnation=self.incarnation, seq=info.seq,
             tasks=holdings))
         self.telemetry.record(now, self.incarnation, info.seq, samples, holdings)
-        await self.runner.kill_stale()
 
     async def _sample_loop(self) -> None:
         """Telemetry: every `[node] sample_interval` a reading decides idle and busy; once
@@ -243,6 +250,21 @@ class NodeAgent:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._heartbeats_stop.wait(),
                                        max(0.0, every - (monotonic() - started)))
+
+    async def _stale_loop(self) -> None:
+        """Every heartbeat interval: kill attempts that were assigned elsewhere meanwhile
+        (`Runner.kill_stale`). Apart from the renewals, so a slow fence read never delays
+        the lease."""
+        interval = self._settings.heartbeat_interval
+        while not self._heartbeats_stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._heartbeats_stop.wait(), interval)
+            if self._heartbeats_stop.is_set():
+                return
+            try:
+                await asyncio.wait_for(self.runner.kill_stale(), interval)
+            except Exception as exc:  # tried again next interval
+                log.warning("node.stale_check_failed", error=str(exc) or type(exc).__name__)
 
     async def _fence_loop(self) -> None:
         """Self-fencing: when the lease lapses, this node's tasks die here, before the
@@ -328,6 +350,7 @@ class NodeAgent:
         self._heartbeats_stop.set()
         await _finish(self._heartbeat_task, 5.0)
         await _finish(self._fence_task, 5.0)
+        await _finish(self._stale_task, 5.0)
         await _finish(self._sample_task, 5.0)
         self.lease.close()
         stop_guard(self._guard)

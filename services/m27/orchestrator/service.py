@@ -50,6 +50,7 @@ async def serve(rt: ServiceRuntime) -> None:
         bus.js, stream=subjects.EVENTS_STREAM, durable=subjects.ORCHESTRATOR_REPORTS,
         filter_subject=subjects.RUN_REPORT_ALL, handle=handlers.on_report, stop=rt.stop),
         "reports")
+    rt.spawn(engine.store.flush_loop(rt.stop), "unpublished outboxes")
     await rt.ready()
     await rt.stop.wait()
     await secret_requests.unsubscribe()

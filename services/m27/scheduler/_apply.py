@@ -9,7 +9,8 @@ attempt never runs.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
+from typing import Final
 
 import msgspec
 
@@ -22,6 +23,25 @@ from m27.scheduler.metrics import SchedulerMetrics, preemption_kind
 from m27.scheduler.model import MILLI_PER_GPU, Decision, Pause, Place, Preempt, Resume, Stage, Wait
 
 log = get_logger()
+
+#: A placed task its node has not reported started is sent its StartTask again, this long
+#: after the placement and then after doubling pauses up to START_RESEND_MAX_S. The first
+#: send can fail after the placement is stored (a clustered JetStream electing the commands
+#: stream's leader refuses publishes for seconds); without this the run waits for ever.
+#: A resend is harmless: JetStream drops it within its duplicate window (the same message
+#: id), and after that the agent's ledger does (it runs an attempt once, and publishes its
+#: TaskStarted again).
+START_RESEND_S: Final = 10.0
+START_RESEND_MAX_S: Final = 300.0
+
+
+def start_resend_due(placed_at: float, sends: int, last_sent: float, now: float) -> bool:
+    """Whether a placed, unstarted task's StartTask is due again (`sends` resends so far,
+    the latest at `last_sent`; placed_at when there was none)."""
+    if sends == 0:
+        return now - placed_at >= START_RESEND_S
+    pause = min(START_RESEND_S * 2.0 ** min(sends, 16), START_RESEND_MAX_S)
+    return now - last_sent >= pause
 
 
 class Table:
@@ -55,6 +75,8 @@ class Effects:
         self.bus = bus
         self.table = table
         self.metrics = metrics or SchedulerMetrics()
+        #: (task id, attempt) → (StartTask resends, when the latest was sent)
+        self.resends: dict[tuple[str, int], tuple[int, float]] = {}
 
     async def apply(self, decision: Decision, nodes: Mapping[str, NodeInfo],
                     now: float) -> bool:
@@ -99,6 +121,30 @@ class Effects:
                  gpu_ids=list(placement.gpu_ids), gpu_milli=placement.gpu_milli,
                  lender=placement.lender, reason=decision.reason)
         return True
+
+    async def resend_starts(self, nodes: Mapping[str, NodeInfo], alive: Collection[str],
+                            now: float) -> int:
+        """Send StartTask again for placed tasks on live nodes that have not started
+        (`START_RESEND_S`); returns how many were sent."""
+        waiting = {(e.task.task_id, e.task.attempt): e for e in self.table.entries.values()
+                   if e.placement is not None and not e.started and not e.stopping}
+        self.resends = {key: sent for key, sent in self.resends.items() if key in waiting}
+        sent = 0
+        for key, entry in waiting.items():
+            assert entry.placement is not None
+            node = nodes.get(entry.placement.node_id)
+            sends, last = self.resends.get(key, (0, entry.placed_at))
+            if node is None or node.node_id not in alive or not start_resend_due(
+                    entry.placed_at, sends, last, now):
+                continue
+            self.resends[key] = (sends + 1, now)  # before the send: a failure waits too
+            await self._send_start(entry.task, entry.placement, node, "sent again: not "
+                                   "started yet", now)
+            log.warning("task.start_resent", task_id=key[0], attempt=key[1],
+                        node_id=node.node_id, resends=sends + 1,
+                        placed_s_ago=round(now - entry.placed_at, 1))
+            sent += 1
+        return sent
 
     async def _send_start(self, task: events.EnqueueTask, placement: Placement,
                           node: NodeInfo, reason: str, now: float) -> None:

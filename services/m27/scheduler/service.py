@@ -267,6 +267,8 @@ class Scheduler:
 
     async def run_once(self, now: float) -> None:
         await self._declare_lost_nodes(now)
+        await self.effects.resend_starts(self.nodes, {view.info.node_id for view in
+                                                      self._views() if view.alive}, now)
         state, queue = self.snapshot(now)
         for decision in policy.decide(state, queue, now, self.settings):
             await self.effects.apply(decision, self.nodes, now)

@@ -172,6 +172,84 @@ async def test_each_decision_applied_twice_has_one_effect(
     assert (b.wait_reason, b.staged_nodes, b.placement) == ("needs 1 GPU", ("n1",), None)
 
 
+class RefusesCommands(MemoryBus):
+    """A bus whose first `refusals` publishes of node commands fail, as a clustered
+    JetStream's do while the commands stream elects a leader."""
+
+    def __init__(self, refusals: int) -> None:
+        super().__init__()
+        self.refusals = refusals
+
+    async def publish(self, subject: str, message: events.Message, *,
+                      msg_id: str | None = None) -> None:
+        if subject.startswith(subjects.node_commands("")) and self.refusals > 0:
+            self.refusals -= 1
+            raise TimeoutError("no response from stream")
+        await super().publish(subject, message, msg_id=msg_id)
+
+
+def cool(node_id: str) -> NodeInfo:
+    """A node whose GPU takes work (not throttled)."""
+    return msgspec.structs.replace(info(node_id), samples=(GpuSample(
+        index=0, utilization_pct=0.0, memory_used_mb=1, temperature_c=40.0),))
+
+
+async def test_a_start_command_refused_after_its_placement_was_stored_is_sent_again() -> None:
+    """The placement is stored, then the StartTask publish fails: the task must not wait
+    for ever. It is sent again (the same message id) until its node reports it started,
+    after pauses that double, and only to a live node."""
+    bus = RefusesCommands(refusals=2)
+    scheduler = service.Scheduler(bus, node_timeout=15.0, tick=1.0)
+    scheduler.nodes = {"n1": cool("n1")}
+    scheduler._saw("n1", "i", 1)
+    await scheduler.table.store(TaskEntry(task=task("a"), queued_at=1.0))
+    with pytest.raises(TimeoutError):  # the cycle fails (and is retried by `loop`)
+        await scheduler.run_once(100.0)
+    entry = scheduler.entries["r/a"]
+    assert entry.placement is not None
+    assert not entry.started
+
+    def starts() -> list[events.StartTask]:
+        return [m for _, m, _ in bus.published if isinstance(m, events.StartTask)]
+
+    for now in (101.0, 105.0, 109.9):
+        await scheduler.run_once(now)
+    assert starts() == []  # not due yet: placed at 100
+    with pytest.raises(TimeoutError):  # the second refusal: due again only after 20 s
+        await scheduler.run_once(110.0)
+    await scheduler.run_once(125.0)
+    assert starts() == []
+    await scheduler.run_once(130.0)
+    assert [(m.task_id, m.attempt) for m in starts()] == [("r/a", 1)]
+    ids = {msg_id for _, m, msg_id in bus.published if isinstance(m, events.StartTask)}
+    assert ids == {"r/a:1:start"}  # JetStream drops a copy that had got through
+    await scheduler.run_once(169.0)
+    assert len(starts()) == 1  # the next one 40 s later
+    await scheduler.run_once(170.0)
+    assert len(starts()) == 2
+    await scheduler._handle_task_event(events.TaskStarted(
+        at=171.0, task_id="r/a", run_id="r", step="a", attempt=1, node_id="n1",
+        pid=7, stdout_path="o", stderr_path="e"))
+    await scheduler.run_once(1000.0)
+    assert len(starts()) == 2  # started: never again
+    assert scheduler.effects.resends == {}
+
+
+async def test_a_start_command_is_not_sent_again_to_a_silent_node() -> None:
+    bus = RefusesCommands(refusals=1)
+    scheduler = service.Scheduler(bus, node_timeout=15.0, tick=1.0)
+    scheduler.nodes = {"n1": cool("n1")}
+    scheduler._saw("n1", "i", 1)
+    await scheduler.table.store(TaskEntry(task=task("a"), queued_at=1.0))
+    with pytest.raises(TimeoutError):
+        await scheduler.run_once(100.0)
+    scheduler.seen["n1"] = ("i", 1, -1e9)  # silent since long ago: it is declared lost
+    await scheduler.run_once(200.0)
+    assert not any(isinstance(m, events.StartTask) for _, m, _ in bus.published)
+    lost = bus.of(events.TaskExited)
+    assert [(e.task_id, e.cause, e.started) for e in lost] == [("r/a", "lost", False)]
+
+
 async def test_staging_a_task_that_reads_inputs_asks_the_node_once_and_waits_for_its_answer(
         shell: tuple[MemoryBus, Table, Effects]) -> None:
     bus, table, effects = shell
