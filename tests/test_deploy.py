@@ -20,7 +20,7 @@ import subprocess
 import sys
 import tomllib
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import msgspec
 import pytest
@@ -193,10 +193,16 @@ def test_every_service_container_has_probes_requests_and_limits(
                 if grpc_port is None:
                     continue  # nats-server: its /healthz
                 handler = container[probe]
-                # gRPC health of this very server: over TLS by exec, or the kubelet's TLS
-                assert handler.get("exec", {}).get("command") == [
-                    "/usr/local/lib/m27/entrypoint.sh", "health"] or handler.get(
-                    "grpc") == {"port": grpc_port, "mode": "TLS"}, f"{where}: {probe}"
+                # gRPC health of this very server: over TLS by exec, or the kubelet's TLS;
+                # readiness is always "ready" (service ""), startup and liveness may ask
+                # for "alive" only (a standby)
+                live = ["--live"] if probe != "readinessProbe" else []
+                assert handler.get("exec", {}).get("command") in (
+                    ["/usr/local/lib/m27/entrypoint.sh", "health"],
+                    ["/usr/local/lib/m27/entrypoint.sh", "health", *live]) or handler.get(
+                    "grpc") in ({"port": grpc_port, "mode": "TLS"},
+                                {"port": grpc_port, "mode": "TLS",
+                                 "service": "m27.live"} if live else {}), f"{where}: {probe}"
 
 
 def test_the_node_agent_runs_only_on_gpu_nodes_with_their_gpus_as_the_node(
@@ -307,16 +313,41 @@ def test_every_image_is_one_release_of_m27(manifests: list[Manifest]) -> None:
                 if "/" in image}) <= 1, "one registry"
 
 
-def test_singletons_run_one_copy_and_never_two_during_an_update(
+#: Deployments safe with several copies (docs/reliability.md, "Two copies of a service"),
+#: run with two; the others with one, never two at once.
+COPIES: Final = {"orchestrator": 2, "scheduler": 2, "report": 2}
+
+
+def test_services_run_as_many_copies_as_are_safe_each_as_itself(
         manifests: list[Manifest]) -> None:
-    """replicas: 1 until safe singletons land; Recreate, so an update stops the old copy
-    before it starts the new one. Each has a disruption budget (NATS: one server at a time)."""
+    """Two copies of the services safe with several, updated one at a time with the new
+    copy ready first, each registering as itself (its pod name: the pods share a host
+    name); one of the others, Recreate so an update never runs two. A copy that shares no
+    volume with its twin keeps nothing on a ReadWriteOnce volume another node could not
+    mount. Each has a disruption budget (NATS: one server at a time)."""
     budgets = of_kind(manifests, "PodDisruptionBudget")
+    claims = {c["metadata"]["name"]: c for c in of_kind(manifests, "PersistentVolumeClaim")}
+    single_node = any(c["spec"]["accessModes"] == ["ReadWriteOnce"]
+                      for c in claims.values() if c["metadata"]["name"] == "m27-checkpoints")
     for workload in of_kind(manifests, "Deployment", "StatefulSet"):
         name = workload["metadata"]["name"]
         if workload["kind"] == "Deployment":
-            assert workload["spec"]["replicas"] == 1, name
-            assert workload["spec"]["strategy"] == {"type": "Recreate"}, name
+            copies = COPIES.get(name, 1)
+            assert workload["spec"]["replicas"] == copies, name
+            if copies == 1:
+                assert workload["spec"]["strategy"] == {"type": "Recreate"}, name
+            else:
+                assert workload["spec"]["strategy"] == {
+                    "type": "RollingUpdate",
+                    "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}, name
+                (container,) = containers(workload)
+                assert {"name": "M27_INSTANCE", "valueFrom": {"fieldRef": {
+                    "fieldPath": "metadata.name"}}} in container["env"], name
+                for volume in workload["spec"]["template"]["spec"]["volumes"]:
+                    claim = volume.get("persistentVolumeClaim", {}).get("claimName")
+                    if claim and not single_node:
+                        assert claims[claim]["spec"]["accessModes"] == ["ReadWriteMany"], (
+                            name, claim)
         assert [b for b in budgets if selects(b["spec"]["selector"], pod_labels(workload))
                 and b["spec"].get("maxUnavailable") == 1], name
 
@@ -369,7 +400,7 @@ def test_the_rendered_nats_conf_is_valid_for_the_bundled_nats_server(
 #: the image's own (deploy/image/entrypoint.sh, health.py).
 OTHER_M27_VARIABLES = {"M27_HOME", "M27_CONFIG", "M27_LOG_LEVEL", "M27_TOKEN",
                        "M27_SECRETS_FROM", "M27_SECRETS_DIR", "M27_GRPC_ADDRESS",
-                       "M27_HEALTH_TLS_NAME"}
+                       "M27_HEALTH_TLS_NAME", "M27_INSTANCE"}
 
 
 def config_variables() -> set[str]:
@@ -547,17 +578,19 @@ def test_the_entrypoint_copies_mounted_secrets_for_its_user_alone(tmp_path: Path
     assert "not a directory" in done.stderr
 
 
-async def health(address: str, env: dict[str, str] | None = None
+async def health(address: str, env: dict[str, str] | None = None, *, live: bool = False
                  ) -> subprocess.CompletedProcess[str]:
-    """deploy/image/health.py ADDRESS, in a thread (the server answers on this loop)."""
+    """deploy/image/health.py [--live] ADDRESS, in a thread (the server answers on this
+    loop)."""
     clean = {k: v for k, v in os.environ.items() if not k.startswith("M27_API_")}
     return await asyncio.to_thread(
-        subprocess.run, [sys.executable, str(HEALTH), address], capture_output=True,
-        text=True, timeout=30, env={**clean, **(env or {})})
+        subprocess.run, [sys.executable, str(HEALTH), *(["--live"] if live else []), address],
+        capture_output=True, text=True, timeout=30, env={**clean, **(env or {})})
 
 
 async def test_the_health_check_follows_an_m27_grpc_server(tmp_path: Path) -> None:
-    """NOT_SERVING while starting, SERVING once ready (loopback, local credentials); over
+    """NOT_SERVING while starting, SERVING once ready (loopback, local credentials), while
+    --live (liveness) says SERVING from the start (a standby is alive, not ready); over
     TLS with the CA of [api] tls_ca; an address nobody listens on fails."""
     keys = api_auth.ephemeral_keys()
     server = await start_server("127.0.0.1:0", [], [], keys=keys)
@@ -565,6 +598,8 @@ async def test_the_health_check_follows_an_m27_grpc_server(tmp_path: Path) -> No
         starting = await health(server.address)
         assert starting.returncode == 1
         assert "NOT_SERVING" in starting.stderr
+        alive = await health(server.address, live=True)
+        assert alive.returncode == 0, alive.stderr
         await server.serving()
         assert (await health(server.address)).returncode == 0
     finally:

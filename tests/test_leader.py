@@ -5,6 +5,9 @@ that was stalled and deposed stops acting (and writing) before it could collide.
 from __future__ import annotations
 
 import asyncio
+import os
+import socket
+import subprocess
 import time
 
 import msgspec
@@ -14,7 +17,7 @@ from hypothesis import strategies as st
 
 from m27.common import events, leases, subjects
 from m27.common.bus import NatsBus
-from m27.common.leader import FencedBus, Leadership, NotLeader
+from m27.common.leader import FencedBus, Leadership, NotLeader, _died_here, this_host
 from tests.support import wait_for
 
 pytestmark = pytest.mark.integration
@@ -115,3 +118,23 @@ async def test_a_deposed_copy_stops_acting_and_its_writes_are_refused(nats_url: 
         await x.task
     finally:
         await nats.close()
+
+
+def test_a_holder_is_known_dead_only_in_its_own_pid_namespace() -> None:
+    """Two pods of one Deployment share a host name (and may reuse each other's pids) but
+    not a PID namespace: only a holder that ran in this very namespace of this machine is
+    known dead by its pid; any other is waited out."""
+    gone = subprocess.Popen(["true"])  # a pid that existed here and is reaped now
+    gone.wait()
+    here = this_host()
+    assert here.split("|")[0] == socket.gethostname()
+    assert len(here.split("|")) == 3
+    dead_here = leases.Lease(holder="a-1", token=1, ttl_s=10.0, renewed_at=0.0,
+                             host=here, pid=gone.pid)
+    assert _died_here(dead_here)
+    other_pod = msgspec.structs.replace(dead_here, host=f"{socket.gethostname()}|x|pid:[1]")
+    assert not _died_here(other_pod)
+    bare_name = msgspec.structs.replace(dead_here, host=socket.gethostname())  # older copies
+    assert not _died_here(bare_name)
+    alive = msgspec.structs.replace(dead_here, pid=os.getppid())
+    assert not _died_here(alive)

@@ -1,16 +1,21 @@
-"""Two schedulers on one bus (a rolling update, a mistake): one acts, the other waits; when
-the active one dies the standby takes over and work goes on, each step run once."""
+"""Two copies of a service on one bus (a rolling update, a mistake). Schedulers: one acts,
+the other waits; when the active one dies the standby takes over and work goes on, each
+step run once. Orchestrators: both act. Reports: each is a whole replica."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
+import time
 from pathlib import Path
 
 import pytest
 
 from m27.client import Client
 from m27.embedded.processes import wait_ready
+from m27.report.service import history_path
+from m27.report.store import History
 from tests.support import Cluster, finished_run, service_log, wait_for
 
 pytestmark = pytest.mark.integration
@@ -83,5 +88,69 @@ async def test_two_orchestrators_both_serve_and_either_may_die(tmp_path: Path) -
                 run = await finished_run(client, run_id, timeout=120)
                 assert run.state == "succeeded", system.logs()
                 assert [s.attempt for s in run.steps] == [1, 1], run
+    finally:
+        system.stop()
+
+
+LOGS_METRICS = """\
+pipeline:
+  - name: m
+    command: |
+      echo '{"step": 1, "loss": 0.9}' >> "$M27_METRICS_FILE"
+      echo '{"step": 2, "loss": 0.5}' >> "$M27_METRICS_FILE"
+"""
+
+
+def _holds(home: Path, run_id: str) -> bool:
+    """That copy's history has the run's loss curve and its report file is written."""
+    history = History(history_path(home))
+    try:
+        points = history.metric_series(run_id, "m", "loss")
+    finally:
+        history.close()
+    return len(points) == 2 and (home / "reports" / f"{run_id}.html").exists()
+
+
+async def test_two_reports_each_hold_everything_and_either_may_die(tmp_path: Path) -> None:
+    """Every report copy reads each stream itself from its own position (report.replica):
+    a second copy with a home of its own (as a pod of its own) holds every run's metrics
+    and writes every report; with the first killed it goes on alone; the first, started
+    again, reads on from where its store was, not from the start."""
+    system = Cluster(tmp_path)
+    system.start()
+    try:
+        home2 = tmp_path / "home2"
+        second = system.launch("report-2", "m27.report", ["--instance", "r2"],
+                               env={"M27_HOME": str(home2)})
+        wait_ready([second])
+        async with system.client() as client:
+            before = await finished_run(client, await client.submit(
+                LOGS_METRICS, workdir=str(tmp_path)))
+            assert before.state == "succeeded", system.logs()
+            for home in (system.home, home2):
+                await wait_for(lambda home=home: _holds(home, before.run_id),  # type: ignore[misc]
+                               f"{home}: the first run's metrics and report", timeout=30)
+            os.kill(system.processes["report"].pid, signal.SIGKILL)
+            alone = await finished_run(client, await client.submit(
+                LOGS_METRICS, workdir=str(tmp_path)))
+            assert alone.state == "succeeded", system.logs()
+            await wait_for(lambda: _holds(home2, alone.run_id), "the survivor's report",
+                           timeout=30)
+
+            async def announced() -> bool:
+                return bool((await client.get_run(alone.run_id)).report_path)
+
+            deadline = time.monotonic() + 30
+            while not await announced():
+                assert time.monotonic() < deadline, system.logs()
+                await asyncio.sleep(0.1)
+            assert not (system.home / "reports" / f"{alone.run_id}.html").exists()
+            again = system.launch("report-again", "m27.report")
+            wait_ready([again])
+            await wait_for(lambda: _holds(system.home, alone.run_id),
+                           "the restarted copy catches up", timeout=30)
+            written = [line for line in service_log(again).splitlines()
+                       if "report.written" in line]
+            assert [alone.run_id in line for line in written] == [True], written
     finally:
         system.stop()

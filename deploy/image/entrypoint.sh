@@ -3,8 +3,10 @@
 #
 #   IMAGE orchestrator [FLAGS]      python -m m27.orchestrator [FLAGS]; likewise scheduler,
 #                                   node-agent, checkpoint-store, report, telegram
-#   IMAGE health [ADDRESS | URL]    exit 0 when the gRPC server at ADDRESS (default
-#                                   $M27_GRPC_ADDRESS) says SERVING, or URL answers 200
+#   IMAGE health [--live] [ADDRESS | URL]
+#                                   exit 0 when the gRPC server at ADDRESS (default
+#                                   $M27_GRPC_ADDRESS) says SERVING (ready; --live:
+#                                   alive, ready or not), or URL answers 200
 #   IMAGE m27 ... | nats-server ... | any other command: run as given
 #
 # Secrets: m27 reads an nkey seed, an API key or a token file only while nobody but its
@@ -21,7 +23,8 @@ usage() {
     cat <<'EOF'
 usage: IMAGE SERVICE [FLAGS]   orchestrator | scheduler | node-agent | checkpoint-store |
                                report | telegram  (python -m m27.<service> FLAGS)
-       IMAGE health [HOST:PORT | http://...]   gRPC health (or an HTTP 200) of a service
+       IMAGE health [--live] [HOST:PORT | http://...]
+                               gRPC health (ready; --live: alive) or an HTTP 200
        IMAGE m27 ARGS          the m27 command (m27 bus setup, m27 api token create, ...)
        IMAGE nats-server ARGS  the nats-server the m27 wheel ships
 EOF

@@ -3,6 +3,10 @@
     health.py [HOST:PORT]   grpc.health.v1 Check of the whole server (service ""): exit 0
                             when it answers SERVING, which m27 services do once NATS is
                             connected, the topology exists and they registered (ready)
+    health.py --live [HOST:PORT]
+                            the same for service "m27.live": SERVING while the process
+                            runs and its server answers, ready or not (liveness: a
+                            scheduler standby is alive but never ready until it acts)
     health.py http://...    exit 0 when the URL answers 200 (nats-server's /healthz)
 
 The address defaults to $M27_GRPC_ADDRESS, the one the service was given with --grpc.
@@ -25,6 +29,7 @@ from typing import cast
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+LIVE_SERVICE = "m27.live"  # m27.common.grpc_server.LIVE_SERVICE (no m27 import: a probe)
 TIMEOUT_S = float(os.environ.get("M27_HEALTH_TIMEOUT", "4"))
 
 
@@ -42,13 +47,13 @@ def _credentials() -> tuple[grpc.ChannelCredentials, list[tuple[str, str]]]:
     return credentials, [("grpc.ssl_target_name_override", name)] if name else []
 
 
-def check_grpc(address: str) -> str:
+def check_grpc(address: str, service: str = "") -> str:
     """"" when the server at `address` is SERVING, else what it is or why not."""
     credentials, options = _credentials()
     with grpc.secure_channel(address, credentials, options=options) as channel:
         try:
             answer = health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(service=""), timeout=TIMEOUT_S)
+                health_pb2.HealthCheckRequest(service=service), timeout=TIMEOUT_S)
         except grpc.RpcError as exc:
             call = cast("grpc.Call", exc)  # what a blocking call raises is its Call too
             return f"{call.code().name}: {call.details()}"
@@ -70,13 +75,15 @@ def check_http(url: str) -> str:
 
 
 def main(argv: list[str]) -> int:
-    target = argv[1] if len(argv) > 1 else os.environ.get("M27_GRPC_ADDRESS", "")
+    live = "--live" in argv[1:]
+    args = [a for a in argv[1:] if a != "--live"]
+    target = args[0] if args else os.environ.get("M27_GRPC_ADDRESS", "")
     if not target:
         print("health: give HOST:PORT or a URL (or set M27_GRPC_ADDRESS)", file=sys.stderr)
         return 2
     try:
         problem = (check_http(target) if target.startswith(("http://", "https://"))
-                   else check_grpc(target))
+                   else check_grpc(target, LIVE_SERVICE if live else ""))
     except OSError as exc:  # a TLS file that cannot be read
         problem = str(exc)
     if problem:

@@ -19,6 +19,10 @@ from m27.common.outages import BusOutages
 from m27.common.tokens import ApiRole
 
 MAX_MESSAGE_BYTES: Final = 16 * 1024 * 1024
+#: The health service name that answers SERVING while the process runs and its server
+#: answers, ready or not: liveness. The whole server ("") and each named service say
+#: SERVING only once the service is ready — a scheduler standby never is until it acts.
+LIVE_SERVICE: Final = "m27.live"
 #: Calls a server handles at once (streams included); the next ones are refused with
 #: RESOURCE_EXHAUSTED (`m27.common.admission`).
 MAX_CONCURRENT_RPCS: Final = 1000
@@ -78,7 +82,7 @@ class GrpcServer:
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
 
     async def stop(self, grace_s: float = 2.0) -> None:
-        for name in ("", *self.service_names):
+        for name in ("", LIVE_SERVICE, *self.service_names):
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.server.stop(grace_s)
 
@@ -116,6 +120,7 @@ async def start_server(bind: str, registrations: Sequence[Register],
     if port == 0:
         raise M27Error(f"cannot listen for gRPC on {bind}: address in use or not local")
     await server.start()
+    await health.set(LIVE_SERVICE, health_pb2.HealthCheckResponse.SERVING)
     host = bind.rsplit(":", 1)[0] or "127.0.0.1"
     if host in {"0.0.0.0", "[::]", "::"}:  # noqa: S104 - reporting, not binding
         host = "127.0.0.1"

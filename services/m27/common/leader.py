@@ -139,7 +139,7 @@ class Leadership:
     async def _take(self, kv: object, current: Lease | None, revision: int | None,
                     started: float) -> bool:
         lease = successor(current, self.holder, self.ttl_s, time.time(),
-                          socket.gethostname(), os.getpid())
+                          this_host(), os.getpid())
         data = msgspec.json.encode(lease)
         try:
             if revision is None:
@@ -174,7 +174,7 @@ class Leadership:
                     return "expired"
                 started = self._clock()
                 lease = Lease(holder=self.holder, token=self.token, ttl_s=self.ttl_s,
-                              renewed_at=time.time(), host=socket.gethostname(),
+                              renewed_at=time.time(), host=this_host(),
                               pid=os.getpid())
                 try:
                     self._revision = await asyncio.wait_for(
@@ -244,10 +244,26 @@ class FencedBus:
         return await self._bus.request(subject, data, timeout)
 
 
+def this_host() -> str:
+    """Where a pid means the same process: the host name, the machine's boot and the PID
+    namespace. Two pods of one Deployment share a host name (`hostname:` in the manifest)
+    and may share pids, but not a PID namespace; two machines do not share a boot id."""
+    parts = [socket.gethostname()]
+    for source in ("/proc/sys/kernel/random/boot_id", "/proc/self/ns/pid"):
+        try:
+            parts.append(os.readlink(source) if source.startswith("/proc/self/")
+                         else Path(source).read_text().strip())
+        except OSError:
+            parts.append("?")
+    return "|".join(parts)
+
+
 def _died_here(lease: Lease) -> bool:
-    """The holder ran on this machine and its process is gone (a crash, SIGKILL): no need
-    to wait its lease out. A pid that was reused reads as alive: then it is waited out."""
-    if lease.host != socket.gethostname() or not lease.pid or lease.pid == os.getpid():
+    """The holder ran in this PID namespace of this machine (`this_host`) and its process
+    is gone (a crash, SIGKILL): no need to wait its lease out. A pid that was reused reads
+    as alive: then it is waited out."""
+    if (lease.host != this_host() or "?" in lease.host.split("|") or not lease.pid
+            or lease.pid == os.getpid()):
         return False
     try:
         os.kill(lease.pid, 0)

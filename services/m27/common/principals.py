@@ -220,14 +220,11 @@ def permissions(who: Principal) -> Permissions:
                               subjects.TELEMETRY_ALL),
             *kv_read(subjects.SUBSCRIPTIONS_BUCKET), *kv_read(subjects.TASKS_BUCKET),
             *kv_write(subjects.NOTIFIED_BUCKET), *kv_read(subjects.NOTIFIED_BUCKET),
-            *durable_consumer(event_stream, subjects.REPORT_RUN_STATE, subjects.RUN_STATE_ALL),
-            *durable_consumer(event_stream, subjects.REPORT_TASK_EVENTS,
-                              subjects.TASK_EVENTS_ALL),
             *kv_read(subjects.FENCES_BUCKET),
-            *durable_consumer(subjects.METRICS_STREAM, subjects.REPORT_METRICS,
-                              subjects.METRICS_ALL),
-            *durable_consumer(subjects.TELEMETRY_STREAM, subjects.REPORT_TELEMETRY,
-                              subjects.TELEMETRY_ALL),
+            # Each copy reads what it materialises itself (report.replica), from its own
+            # position: ordered consumers, which take no message from anyone else.
+            *ordered_consumers(event_stream), *ordered_consumers(subjects.METRICS_STREAM),
+            *ordered_consumers(subjects.TELEMETRY_STREAM),
         )
         subscribe = (*inbox, subjects.EVENTS_ALL)  # the dashboard's recent events (core)
     return Permissions(publish=publish, subscribe=subscribe)

@@ -49,7 +49,9 @@ def service_parser(name: str, description: str) -> argparse.ArgumentParser:
                         help="config file (default: $M27_CONFIG or ~/.m2config)")
     parser.add_argument("--ready-file", metavar="FILE", type=Path,
                         help="write {pid, grpc_address} here once ready (used by `m27 up`)")
-    parser.add_argument("--instance", default="", help="instance name (default: host name)")
+    parser.add_argument("--instance", default=os.environ.get("M27_INSTANCE", ""),
+                        help="this copy's name, unique among the copies of the service "
+                        "(default: $M27_INSTANCE, else the host name)")
     parser.add_argument("--log-level", default=os.environ.get("M27_LOG_LEVEL", "info"))
     parser.add_argument("--log-json", action="store_true", default=None,
                         help="JSON log lines even on a terminal")

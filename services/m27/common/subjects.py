@@ -192,10 +192,6 @@ ORCHESTRATOR_TASK_EVENTS: Final = "orchestrator-task-events"
 ORCHESTRATOR_REPORTS: Final = "orchestrator-reports"
 SCHEDULER_COMMAND_CONSUMER: Final = "scheduler-commands"
 SCHEDULER_TASK_EVENTS: Final = "scheduler-task-events"
-REPORT_RUN_STATE: Final = "report-run-state"
-REPORT_METRICS: Final = "report-metrics"
-REPORT_TELEMETRY: Final = "report-telemetry"
-REPORT_TASK_EVENTS: Final = "report-task-events"  # checkpoints and anomalies, for reports
 #: Notifications (the report service's notifier): every event, matched against the rules.
 REPORT_NOTIFY: Final = "report-notify"
 #: ... and the GPU readings, for too-hot GPUs.

@@ -1,110 +1,28 @@
-"""Reading the events stream for one `WatchEvents` feed, a page of messages at a time.
-
-A push consumer sends as fast as JetStream's flow control lets it (its window grows to
-32 MiB outstanding), so a client that reads slowly would make that much pile up here. So
-each page is an ephemeral ordered consumer whose subscription the server ends after
-`PAGE` messages (an auto-unsubscribe): at most a page waits in this process, however
-slow the client, and the next page is a new consumer that starts after the last message
-taken. Consumers are never named and never deleted by hand (the bus permissions allow
-neither): one expires `INACTIVE_S` after its subscription went away — a page turned, the
-client left, or this process died.
-"""
+"""Reading the events stream for one `WatchEvents` feed: its filter and start (`event_feed`)
+over the paged ordered consumers of `m27.common.stream_pages`."""
 
 from __future__ import annotations
 
-import contextlib
-from datetime import UTC, datetime
-from typing import Final
-
-import nats.errors
-import nats.js.errors
-from nats.aio.msg import Msg
 from nats.js import JetStreamContext
-from nats.js.api import ConsumerConfig, DeliverPolicy
 
 from m27.common import subjects
+from m27.common.stream_pages import PAGE, StartAt, StreamPages
 from m27.orchestrator import event_feed
 
-#: Messages (control messages included) one page's subscription takes.
-PAGE: Final = 512
-INACTIVE_S: Final = 2.0
-#: How long `next` waits for a message before saying none came (and checking that the
-#: consumer still exists: a NATS server that restarted has forgotten it).
-IDLE_S: Final = 5.0
+__all__ = ["PAGE", "EventReader"]
 
 
-class EventReader:
+def start_at(start: event_feed.Start) -> StartAt:
+    if start.policy == "sequence":
+        return StartAt(policy="sequence", sequence=start.sequence)
+    if start.policy == "time":
+        return StartAt(policy="time", time=start.time)
+    return StartAt(policy="sequence", sequence=1)  # "all": from the stream's first
+
+
+class EventReader(StreamPages):
     """The feed's messages in stream order, across pages."""
 
     def __init__(self, js: JetStreamContext, run_id: str, start: event_feed.Start) -> None:
-        self._js = js
-        self._run_id = run_id
-        self._start = start
-        self._sub: JetStreamContext.PushSubscription | None = None
-        self._taken = 0
-
-    async def open(self) -> bool:
-        """Subscribe the first page; True when it has nothing at all to send (yet)."""
-        sub = await self._page()
-        info = await sub.consumer_info()
-        sent = info.delivered.consumer_seq if info.delivered else 0
-        return not info.num_pending and not sent
-
-    async def next(self) -> Msg | None:
-        """The next message, or None when none came for `IDLE_S` from a live consumer."""
-        while True:
-            sub = self._sub or await self._page()
-            if self._page_over(sub):
-                sub = await self._page()
-            try:
-                msg = await sub.next_msg(timeout=IDLE_S)
-            except nats.errors.TimeoutError:
-                if self._page_over(sub) or not await self._alive(sub):
-                    await self._page()
-                    continue
-                return None
-            break
-        self._taken += 1
-        self._start = event_feed.Start(policy="sequence",
-                                       sequence=msg.metadata.sequence.stream + 1)
-        return msg
-
-    async def close(self) -> None:
-        if self._sub is not None:
-            with contextlib.suppress(nats.errors.Error):
-                await self._sub.unsubscribe()
-            self._sub = None
-
-    async def _page(self) -> JetStreamContext.PushSubscription:
-        """A new consumer from where the feed is, its subscription limited to a page."""
-        await self.close()
-        found = event_feed.filters(self._run_id)
-        config = ConsumerConfig(filter_subjects=list(found) if len(found) > 1 else None)
-        if self._start.policy == "sequence":
-            config.deliver_policy = DeliverPolicy.BY_START_SEQUENCE
-            config.opt_start_seq = self._start.sequence
-        elif self._start.policy == "time":
-            config.deliver_policy = DeliverPolicy.BY_START_TIME
-            config.opt_start_time = datetime.fromtimestamp(self._start.time, tz=UTC)
-        # a single filter is the subscription's subject
-        self._sub = await self._js.subscribe(
-            found[0], stream=subjects.EVENTS_STREAM, ordered_consumer=True, config=config,
-            inactive_threshold=INACTIVE_S)
-        await self._sub.unsubscribe(limit=PAGE)  # the server's side; the rest stays
-        self._taken = 0
-        return self._sub
-
-    def _page_over(self, sub: JetStreamContext.PushSubscription) -> bool:
-        """A page's messages are taken, or the server ended its subscription (control
-        messages count too) and nothing of it waits here."""
-        return self._taken >= PAGE or (sub.delivered >= PAGE and not sub.pending_msgs)
-
-    @staticmethod
-    async def _alive(sub: JetStreamContext.PushSubscription) -> bool:
-        try:
-            await sub.consumer_info()
-        except nats.js.errors.NotFoundError:
-            return False
-        except (nats.errors.Error, TimeoutError):
-            return True  # NATS is away: the next idle check asks again
-        return True
+        super().__init__(js, subjects.EVENTS_STREAM, event_feed.filters(run_id),
+                         start_at(start))

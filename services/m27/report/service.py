@@ -1,16 +1,18 @@
 """The report service's shell: when a run ends, fetch it, write its HTML report, announce it;
 materialise metrics and telemetry into the history; serve it (`api.ReportServicer`).
 
-    receive RunStateChanged → decide → GetRun (orchestrator) → render → write atomically
-    → publish ReportReady → ack
-    receive MetricPoints → check its sender (and the task's fence) → the history store
-        (`store.History`) → ack
-    receive GpuTelemetry → check its sender → the history store → ack
-    receive checkpoint_committed / training_anomaly → check its sender → the history → ack
+    read RunStateChanged → decide → GetRun (orchestrator) → render → write atomically
+    → publish ReportReady → store the position
+    read MetricPoints → check its sender (and the task's fence) → the history store
+        (`store.History`), with the position
+    read GpuTelemetry → check its sender → the history store, with the position
+    read checkpoint_committed / training_anomaly → check its sender → the history, with
+        the position
 
-The event is acked only once the file is durable and the announcement stored. An API that
-cannot be reached (or answers with an error) makes the handler raise, so the event is
-redelivered; a run the API does not know is logged and acked, never retried forever.
+Each copy reads every stream itself from its own stored position (`replica`): any number
+of copies each hold the whole history and write every report. An API that cannot be
+reached (or answers with an error) makes the handler raise, so the event is tried again;
+a run the API does not know is logged and passed, never retried forever.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import threading
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Final
 
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
@@ -52,8 +55,14 @@ from m27.report.evidence import gather
 from m27.report.files import write_atomic
 from m27.report.notify import Notifier, describe_rules
 from m27.report.render import render_run_report
-from m27.report.store import History
+from m27.report.replica import Progress, Source, follow
+from m27.report.store import Applied, History
 
+#: What each copy materialises itself (`replica`), each from its own stored position.
+METRICS: Final = Source("metrics", subjects.METRICS_STREAM, (subjects.METRICS_ALL,))
+TELEMETRY: Final = Source("telemetry", subjects.TELEMETRY_STREAM, (subjects.TELEMETRY_ALL,))
+TASK_EVENTS: Final = Source("task-events", subjects.EVENTS_STREAM, (subjects.TASK_EVENTS_ALL,))
+RUN_STATES: Final = Source("run-states", subjects.EVENTS_STREAM, (subjects.RUN_STATE_ALL,))
 #: How long the history store keeps metrics and GPU samples (the streams keep 30 days).
 HISTORY_KEEP_S = 30 * 86400.0
 
@@ -119,15 +128,20 @@ class Reporter:
         self._fetch = fetch
         self._clock = clock
 
-    async def handle(self, msg: Msg) -> None:
-        """The consumer's handler: returns once the report is durable (or not wanted)."""
+    async def handle(self, msg: Msg, applied: Applied | None = None) -> bool:
+        """A run-state event: returns once the report is durable (or not wanted), and
+        then (with `applied`) stores the replica's position; True when it did."""
         event = bus.decode_or_poison(msg.data, events.decode_event)
         decision = decide(event)
         if not decision.write:
             log.debug("report.skipped", run_id=decision.run_id, reason=decision.reason)
-            return
+            return False
         with bound_contextvars(run_id=decision.run_id):
             await self.report(decision.run_id)
+        if applied is None or self.history is None:
+            return False
+        await asyncio.to_thread(self.history.mark, applied)
+        return True
 
     async def report(self, run_id: str) -> Path | None:
         """Fetch, write and announce one run's report; None when the API does not know it."""
@@ -181,13 +195,14 @@ class MetricsIn:
         self.history = history
         self._nats = nats
 
-    async def handle(self, msg: Msg) -> None:
+    async def handle(self, msg: Msg, applied: Applied | None = None) -> bool:
         batch = bus.decode_or_poison(msg.data, events.decode_metrics)
         problem = metrics_problem(msg.subject, batch) or metrics_problem(
             msg.subject, batch, await _fence(self._nats, batch.task_id))
         if problem:
             raise bus.PoisonMessage(f"refused: {problem}")
-        await asyncio.to_thread(self.history.add_metrics, batch)
+        await asyncio.to_thread(self.history.add_metrics, batch, applied)
+        return True
 
 
 class TaskEventsIn:
@@ -200,18 +215,19 @@ class TaskEventsIn:
         self.history = history
         self._nats = nats
 
-    async def handle(self, msg: Msg) -> None:
+    async def handle(self, msg: Msg, applied: Applied | None = None) -> bool:
         event = bus.decode_or_poison(msg.data, events.decode_event)
         if not isinstance(event, events.CheckpointCommitted | events.TrainingAnomaly):
-            return
+            return False
         fence = await _fence(self._nats, event.task_id)
         problem = sender_problem(msg.subject, event, fence)
         if problem:
             raise bus.PoisonMessage(f"refused: {problem}")
         if isinstance(event, events.CheckpointCommitted):
-            await asyncio.to_thread(self.history.add_checkpoint, event)
+            await asyncio.to_thread(self.history.add_checkpoint, event, applied)
         else:
-            await asyncio.to_thread(self.history.add_anomaly, event)
+            await asyncio.to_thread(self.history.add_anomaly, event, applied)
+        return True
 
 
 async def _fence(nats: Bus | None, task_id: str) -> Fence | None:
@@ -226,12 +242,13 @@ class TelemetryIn:
     def __init__(self, history: History) -> None:
         self.history = history
 
-    async def handle(self, msg: Msg) -> None:
+    async def handle(self, msg: Msg, applied: Applied | None = None) -> bool:
         reading = bus.decode_or_poison(msg.data, events.decode_telemetry)
         problem = telemetry_problem(msg.subject, reading)
         if problem:
             raise bus.PoisonMessage(f"refused: {problem}")
-        await asyncio.to_thread(self.history.add_telemetry, [reading])
+        await asyncio.to_thread(self.history.add_telemetry, [reading], applied)
+        return True
 
 
 def history_path(home: Path) -> Path:
@@ -265,25 +282,15 @@ async def serve(rt: ServiceRuntime) -> None:
 
     await rt.serve_grpc([register(ReportServicer(history, owner_of))], [SERVICE_NAME])
     dashboard, http_address = await _start_dashboard(rt, history, out_dir)
-    rt.spawn(bus.consume(rt.nats.js, stream=subjects.EVENTS_STREAM,
-                         durable=subjects.REPORT_RUN_STATE, filter_subject=subjects.RUN_STATE_ALL,
-                         handle=reporter.handle, stop=rt.stop), "run-state")
-    rt.spawn(bus.consume(rt.nats.js, stream=subjects.METRICS_STREAM,
-                         durable=subjects.REPORT_METRICS, filter_subject=subjects.METRICS_ALL,
-                         handle=MetricsIn(history, rt.nats).handle, stop=rt.stop, batch=64),
-             "metrics")
-    rt.spawn(bus.consume(rt.nats.js, stream=subjects.TELEMETRY_STREAM,
-                         durable=subjects.REPORT_TELEMETRY,
-                         filter_subject=subjects.TELEMETRY_ALL,
-                         handle=TelemetryIn(history).handle, stop=rt.stop, batch=64),
-             "telemetry")
-    rt.spawn(bus.consume(rt.nats.js, stream=subjects.EVENTS_STREAM,
-                         durable=subjects.REPORT_TASK_EVENTS,
-                         filter_subject=subjects.TASK_EVENTS_ALL,
-                         handle=TaskEventsIn(history, rt.nats).handle, stop=rt.stop, batch=64),
-             "task-events")
+    progress = Progress()
+    js = rt.nats.js
+    for source, handle in ((METRICS, MetricsIn(history, rt.nats).handle),
+                           (TELEMETRY, TelemetryIn(history).handle),
+                           (TASK_EVENTS, TaskEventsIn(history, rt.nats).handle),
+                           (RUN_STATES, reporter.handle)):
+        rt.spawn(follow(js, history, source, handle, rt.stop, progress), source.name)
     rt.spawn(prune_every(history, rt.stop), "history-retention")
-    notifier = await _start_notifier(rt, reporter, fetch, history)
+    notifier = await _start_notifier(rt, reporter, fetch, history, progress)
     await rt.ready(http_address=http_address)
     log.info("report.watching", dir=str(out_dir), api=rt.args.api or "discovered",
              dashboard=f"http://{http_address}/" if http_address else "off")
@@ -296,14 +303,14 @@ async def serve(rt: ServiceRuntime) -> None:
 
 
 async def _start_notifier(rt: ServiceRuntime, reporter: Reporter, fetch: FetchRun,
-                          history: History) -> Notifier:
+                          history: History, progress: Progress) -> Notifier:
     """The notifier's consumers (new events only, the first time: a fresh notifier does
     not tell about the last 30 days) and its waiting-task watch."""
     channels = make_channels(rt.config)
     js = rt.nats.js
 
     async def picture_of(run_id: str) -> tuple[dict[str, float], bytes | None]:
-        await metrics_caught_up(js)  # a run's last points were sent before it ended
+        await metrics_caught_up(js, progress)  # its last points were sent before it ended
         return await asyncio.to_thread(picture, history, run_id)
 
     notifier = Notifier(rt.nats, dict(channels), section=rt.config.notify,
@@ -334,14 +341,15 @@ def run_fetcher(reporter: Reporter, fetch: FetchRun) -> Callable[[str], Awaitabl
     return run_of
 
 
-async def metrics_caught_up(js: JetStreamContext, timeout_s: float = 10.0) -> bool:
+async def metrics_caught_up(js: JetStreamContext, progress: Progress,
+                            timeout_s: float = 10.0) -> bool:
     """Wait (at most `timeout_s`) until the history holds every metric point published so
-    far: the metrics consumer has nothing pending or unacked. False when it did not."""
+    far: this copy has read the metrics stream past its last message. False when not."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         with contextlib.suppress(Exception):
-            info = await js.consumer_info(subjects.METRICS_STREAM, subjects.REPORT_METRICS)
-            if not info.num_pending and not info.num_ack_pending:
+            last = (await js.stream_info(METRICS.stream)).state.last_seq
+            if progress.next.get(METRICS.name, 0) > last:
                 return True
         await asyncio.sleep(0.1)
     return False

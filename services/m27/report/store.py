@@ -1,8 +1,8 @@
 """The report service's embedded history: training metrics and per-GPU samples in SQLite,
-materialised from the streams (M27_METRICS, M27_TELEMETRY), which stay the source of
-truth: a lost file is rebuilt by reading them again (an admin deletes the `report-metrics`
-and `report-telemetry` consumers; the service makes new ones from the start of each
-stream).
+materialised from the streams (M27_METRICS, M27_TELEMETRY, M27_EVENTS), which stay the
+source of truth: each write is stored with the stream position it came from (`positions`,
+in the same transaction), so a copy reads on from exactly there, and a lost file is
+rebuilt by reading the streams again from their start (`report.replica`).
 
 Why SQLite (docs/architecture.md, "History"): it ships with Python (no new dependency,
 nothing to run), one file under `$M27_HOME`, WAL lets the dashboard read while the consumer
@@ -41,6 +41,9 @@ from m27.common.events import (
 )
 from m27.common.model import GpuSample, per_gpu_share
 
+#: (source, stream sequence): the message a write came from, stored with it (`positions`).
+Applied = tuple[str, int]
+
 #: Rollup tables and their bucket widths (seconds), finest first.
 ROLLUPS: Final = (("gpu_1m", 60), ("gpu_10m", 600))
 RAW_INTERVAL_S: Final = 5.0
@@ -71,6 +74,8 @@ CREATE TABLE IF NOT EXISTS anomalies (
     tstep INTEGER NOT NULL, kind TEXT NOT NULL, at REAL NOT NULL, value REAL,
     baseline REAL, actions TEXT NOT NULL,
     PRIMARY KEY (task_id, attempt, metric, tstep, kind)) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS positions (
+    source TEXT PRIMARY KEY, sequence INTEGER NOT NULL) WITHOUT ROWID;
 """
 #: One metric of one step: a point is left out when a later attempt began at or before it.
 _SERIES: Final = """
@@ -166,10 +171,10 @@ class History:
 
     # ------------------------------------------------------------ in
 
-    def add_metrics(self, batch: MetricPoints) -> None:
+    def add_metrics(self, batch: MetricPoints, applied: Applied | None = None) -> None:
         rows = [(batch.run_id, batch.step, batch.attempt, p.step, name, p.at, _value(v))
                 for p in batch.points for name, v in p.values.items()]
-        with self._transaction():
+        with self._transaction(applied):
             self.db.executemany("INSERT OR REPLACE INTO metrics VALUES (?, ?, ?, ?, ?, ?, ?)",
                                 rows)
 
@@ -205,14 +210,15 @@ class History:
                 [(int(r[2] // width), r[0], r[1], r[3], r[4], r[6], r[7] or 0.0,
                   int(r[7] is not None)) for r in fresh])
 
-    def add_telemetry(self, readings: Iterable[GpuTelemetry]) -> None:
+    def add_telemetry(self, readings: Iterable[GpuTelemetry],
+                      applied: Applied | None = None) -> None:
         """Nodes' heartbeat readings (the telemetry stream): the samples, and who held
         which GPU (each holding's span widened to this reading), in one transaction."""
         readings = list(readings)
         spans = [(h.task_id, h.attempt, r.node_id, gpu, per_gpu_share(h.gpu_ids, h.gpu_share),
                   r.at, r.at)
                  for r in readings for h in r.tasks for gpu in h.gpu_ids]
-        with self._transaction():
+        with self._transaction(applied):
             self._insert_samples([(r.node_id, r.at, r.gpus) for r in readings])
             self.db.executemany(
                 "INSERT INTO holding VALUES (?, ?, ?, ?, ?, ?, ?) "
@@ -220,18 +226,33 @@ class History:
                 "first_at = min(first_at, excluded.first_at), "
                 "last_at = max(last_at, excluded.last_at)", spans)
 
-    def add_checkpoint(self, event: CheckpointCommitted) -> None:
-        with self._transaction():
+    def add_checkpoint(self, event: CheckpointCommitted,
+                       applied: Applied | None = None) -> None:
+        with self._transaction(applied):
             self.db.execute("INSERT OR IGNORE INTO checkpoints VALUES (?, ?, ?, ?, ?, ?, ?)",
                             (event.task_id, event.checkpoint_id, event.attempt, event.at,
                              event.step, event.size_bytes, event.new_bytes))
 
-    def add_anomaly(self, event: TrainingAnomaly) -> None:
-        with self._transaction():
+    def add_anomaly(self, event: TrainingAnomaly, applied: Applied | None = None) -> None:
+        with self._transaction(applied):
             self.db.execute(
                 "INSERT OR IGNORE INTO anomalies VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (event.task_id, event.attempt, event.metric, event.train_step, event.kind,
                  event.at, _value(event.value), event.baseline, ",".join(event.actions)))
+
+    # ------------------------------------------------------------ positions
+
+    def position(self, source: str) -> int:
+        """The stream sequence to read `source` from next (1: from the start)."""
+        with self._lock:
+            row = self.db.execute("SELECT sequence FROM positions WHERE source = ?",
+                                  (source,)).fetchone()
+        return 1 if row is None else int(row[0]) + 1
+
+    def mark(self, applied: Applied) -> None:
+        """Record that `source` was read up to this sequence (messages with no effect)."""
+        with self._transaction(applied):
+            pass
 
     def prune(self, before: float) -> None:
         """Forget what is older than `before` (retention; the streams keep their own)."""
@@ -382,14 +403,19 @@ class History:
                 (since, until, width)).fetchall()
         return _points(rows, since, width)
 
-    def _transaction(self) -> _Transaction:
-        return _Transaction(self.db, self._lock)
+    def _transaction(self, applied: Applied | None = None) -> _Transaction:
+        return _Transaction(self.db, self._lock, applied)
 
 
 class _Transaction:
-    def __init__(self, db: sqlite3.Connection, lock: threading.RLock) -> None:
+    """BEGIN … COMMIT under the lock; with `applied`, the source's position is stored in
+    the same transaction as the writes (never one without the other)."""
+
+    def __init__(self, db: sqlite3.Connection, lock: threading.RLock,
+                 applied: Applied | None = None) -> None:
         self.db = db
         self.lock = lock
+        self.applied = applied
 
     def __enter__(self) -> None:
         self.lock.acquire()
@@ -397,6 +423,10 @@ class _Transaction:
 
     def __exit__(self, kind: type[BaseException] | None, *_: object) -> None:
         try:
+            if kind is None and self.applied is not None:
+                self.db.execute(
+                    "INSERT INTO positions VALUES (?, ?) ON CONFLICT (source) DO UPDATE SET "
+                    "sequence = max(sequence, excluded.sequence)", self.applied)
             self.db.execute("COMMIT" if kind is None else "ROLLBACK")
         finally:
             self.lock.release()
