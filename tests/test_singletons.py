@@ -13,8 +13,10 @@ from pathlib import Path
 import pytest
 
 from m27.client import Client
+from m27.common import subjects
+from m27.common.bus import NatsBus
 from m27.embedded.processes import wait_ready
-from m27.report.service import history_path
+from m27.report.service import RUN_STATES, history_path
 from m27.report.store import History
 from tests.support import Cluster, finished_run, service_log, wait_for
 
@@ -111,6 +113,14 @@ def _holds(home: Path, run_id: str) -> bool:
     return len(points) == 2 and (home / "reports" / f"{run_id}.html").exists()
 
 
+def _position(home: Path) -> int:
+    history = History(history_path(home))
+    try:
+        return history.position(RUN_STATES.name)
+    finally:
+        history.close()
+
+
 async def test_two_reports_each_hold_everything_and_either_may_die(tmp_path: Path) -> None:
     """Every report copy reads each stream itself from its own position (report.replica):
     a second copy with a home of its own (as a pod of its own) holds every run's metrics
@@ -130,6 +140,14 @@ async def test_two_reports_each_hold_everything_and_either_may_die(tmp_path: Pat
             for home in (system.home, home2):
                 await wait_for(lambda home=home: _holds(home, before.run_id),  # type: ignore[misc]
                                f"{home}: the first run's metrics and report", timeout=30)
+            bus = await NatsBus.open(system.nats_url, name="test")
+            try:  # the run's end is read and its position stored (after the report file)
+                ended = (await bus.js.get_last_msg(subjects.EVENTS_STREAM,
+                                                   subjects.run_state(before.run_id))).seq
+            finally:
+                await bus.close()
+            await wait_for(lambda: _position(system.home) > (ended or 0),
+                           "the first copy stored its position", timeout=30)
             os.kill(system.processes["report"].pid, signal.SIGKILL)
             alone = await finished_run(client, await client.submit(
                 LOGS_METRICS, workdir=str(tmp_path)))
