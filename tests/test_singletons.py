@@ -11,16 +11,22 @@ import time
 from pathlib import Path
 
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from m27.client import Client
 from m27.common import subjects
 from m27.common.bus import NatsBus
+from m27.common.grpc_server import LIVE_SERVICE
+from m27.common.model import ServiceInfo
 from m27.embedded.processes import wait_ready
 from m27.report.service import RUN_STATES, history_path
 from m27.report.store import History
 from tests.support import Cluster, finished_run, service_log, wait_for
 
 pytestmark = pytest.mark.integration
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 PIPELINE = """\
 pipeline:
@@ -52,6 +58,52 @@ async def test_a_second_scheduler_waits_and_takes_over_when_the_first_dies(
             os.kill(system.processes["scheduler"].pid, signal.SIGKILL)
             await wait_for(lambda: "leader.elected" in service_log(standby),
                            "the standby takes over", timeout=30)
+            run = await finished_run(client, await client.submit(PIPELINE,
+                                                                 workdir=str(tmp_path)))
+            assert run.state == "succeeded", system.logs()
+            assert [s.attempt for s in run.steps] == [1, 1, 1]
+    finally:
+        system.stop()
+
+
+async def _health(system: Cluster, address: str, service: str) -> int:
+    async with system.bare_channel(address) as channel:
+        reply = await health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service=service), timeout=10)
+    return int(reply.status)
+
+
+async def test_a_deposed_scheduler_stops_acting_and_is_no_longer_ready(
+        tmp_path: Path) -> None:
+    """The active copy frozen past its lease (SIGSTOP) is replaced; woken, it finds its
+    lease taken, steps down, and says so: not ready (a Service sends it nothing), alive,
+    its registration withdrawn (clients find the new active one)."""
+    system = Cluster(tmp_path, env={"M27_SCHEDULER_LEASE": "2s"})
+    system.start()
+    try:
+        first = system.processes["scheduler"]
+        standby = system.launch("scheduler-2", "m27.scheduler", ["--instance", "standby"])
+        await wait_for(lambda: "leader.standby" in service_log(standby), "a standby",
+                       timeout=30)
+        assert await _health(system, first.grpc_address, "") == SERVING
+        os.kill(first.pid, signal.SIGSTOP)
+        try:
+            await wait_for(lambda: "leader.elected" in service_log(standby),
+                           "the standby takes over", timeout=30)
+        finally:
+            os.kill(first.pid, signal.SIGCONT)
+        await wait_for(lambda: "service.unready" in service_log(first),
+                       "the deposed copy steps down", timeout=30)
+        assert await _health(system, first.grpc_address, "") == NOT_SERVING
+        assert await _health(system, first.grpc_address, LIVE_SERVICE) == SERVING
+        bus = await NatsBus.open(system.nats_url, name="test")
+        try:  # a deleted key is listed with its tombstone: kv_get says None
+            keys = [key for key in await bus.kv_keys(subjects.SERVICES_BUCKET, "scheduler.*")
+                    if await bus.kv_get(subjects.SERVICES_BUCKET, key, ServiceInfo)]
+        finally:
+            await bus.close()
+        assert keys == [subjects.service_key("scheduler", "standby")], keys
+        async with system.client() as client:  # and work goes on through the new one
             run = await finished_run(client, await client.submit(PIPELINE,
                                                                  workdir=str(tmp_path)))
             assert run.state == "succeeded", system.logs()

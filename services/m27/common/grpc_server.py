@@ -81,6 +81,11 @@ class GrpcServer:
         for name in ("", *self.service_names):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
 
+    async def not_serving(self) -> None:
+        """Not ready (again); still alive."""
+        for name in ("", *self.service_names):
+            await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+
     async def stop(self, grace_s: float = 2.0) -> None:
         for name in ("", LIVE_SERVICE, *self.service_names):
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)

@@ -158,6 +158,19 @@ class ServiceRuntime:
         self.is_ready = True
         log.info("service.ready", grpc_address=self.grpc.address)
 
+    async def unready(self) -> None:
+        """No longer ready (a scheduler copy that stopped acting): its health says
+        NOT_SERVING (alive still: `grpc_server.LIVE_SERVICE`) and its registration is
+        withdrawn, so neither a Service nor a client sends it work meanwhile."""
+        if self.grpc is not None:
+            await self.grpc.not_serving()
+        if self.bus is not None:
+            with contextlib.suppress(Exception):
+                await self.bus.kv_delete(subjects.SERVICES_BUCKET,
+                                         subjects.service_key(self.name, self.instance))
+        self.is_ready = False
+        log.info("service.unready")
+
     async def close(self) -> None:
         self.stop.set()  # a service that failed while starting: its loops stop now, too
         await self.join()

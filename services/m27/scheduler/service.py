@@ -403,8 +403,7 @@ async def serve(rt: ServiceRuntime) -> None:
         try:
             await nats.nc.flush()
             await scheduler.load()
-            if not rt.is_ready:
-                await rt.ready(metrics_address=metrics[1] if metrics else "")
+            await rt.ready(metrics_address=metrics[1] if metrics else "")
             async with asyncio.TaskGroup() as acting:
                 acting.create_task(bus_module.consume(
                     nats.js, stream=subjects.COMMANDS_STREAM,
@@ -421,6 +420,8 @@ async def serve(rt: ServiceRuntime) -> None:
             with contextlib.suppress(Exception):
                 await heartbeats.unsubscribe()
                 await node_events.unsubscribe()
+            if rt.is_ready and not rt.stop.is_set():  # deposed: a standby again
+                await rt.unready()
 
     rt.spawn(leadership.run(act, rt.stop), "leadership")
     try:
