@@ -315,7 +315,7 @@ def test_every_image_is_one_release_of_m27(manifests: list[Manifest]) -> None:
 
 #: Deployments safe with several copies (docs/reliability.md, "Two copies of a service"),
 #: run with two; the others with one, never two at once.
-COPIES: Final = {"orchestrator": 2, "scheduler": 2, "report": 2}
+COPIES: Final = {"orchestrator": 2, "scheduler": 2, "report": 2, "checkpoint-store": 2}
 
 
 def test_services_run_as_many_copies_as_are_safe_each_as_itself(

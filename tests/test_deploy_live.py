@@ -132,7 +132,7 @@ class Machine:
         text = re.sub(r"0\.0\.0\.0:\d+", "127.0.0.1:0", text)  # metrics: loopback here
         paths = {"/etc/m27/tls": self.tls, "/etc/m27/secrets": pod / "secrets",
                  "/run/m27/secrets": pod / "run", "/var/lib/m27": pod / "home",
-                 "/checkpoints": self.root / "checkpoints"}
+                 "/checkpoints": self.root / "checkpoints", "/reports": self.root / "reports"}
         pattern = "|".join(re.escape(path) for path in paths)
         return re.sub(rf"(?<![\w/])({pattern})\b", lambda m: str(paths[m[1]]), text)
 
@@ -156,7 +156,8 @@ class Machine:
         env: dict[str, str] = {}
         for source in container.get("envFrom", []):
             env.update(self.config_map(source["configMapRef"]["name"]))
-        fields = {"spec.nodeName": NODE, "status.podIP": POD_IP}
+        fields = {"spec.nodeName": NODE, "status.podIP": POD_IP,
+                  "metadata.name": f"{name}-0"}
         for item in container.get("env", []):
             if "value" in item:
                 env[item["name"]] = expand(item["value"], env)
@@ -306,5 +307,10 @@ def test_a_pipeline_runs_through_the_single_server_overlay_as_configured(
         time.sleep(0.5)
     else:
         pytest.fail(f"no checkpoint files stored:\n{listed.stdout}{machine.log('node-agent')}")
+    report = machine.root / "reports" / f"{run_id[0]}.html"  # on the shared reports volume
+    deadline = time.monotonic() + 60
+    while not report.is_file():
+        assert time.monotonic() < deadline, machine.log("report")
+        time.sleep(0.1)
     # the services registered the names their pods' hostnames give them (not 127.0.0.1)
     assert f"grpc_address\": \"{HOST}:{machine.ports[7072]}" in machine.log("checkpoint-store")

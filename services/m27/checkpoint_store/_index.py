@@ -32,9 +32,32 @@ _DECODER: Final = msgspec.json.Decoder(Manifest)
 _DECODE_ERRORS: Final = (msgspec.DecodeError, msgspec.ValidationError)
 _GET_BATCH: Final = 64
 ALL_KEYS: Final = ">"
+#: Compare-and-set tries before a retirement gives up (another writer won each time).
+_CAS_TRIES: Final = 20
+#: JetStream's "wrong last sequence" (10071, 10164): a compare-and-set lost.
+_WRONG_LAST_SEQUENCE: Final = (10071, 10164)
+
+
+class _Protection(msgspec.Struct):
+    protected: str = ""
+
+
+_PROTECTION: Final = msgspec.json.Decoder(_Protection)
+
+
+def is_protected(value: bytes) -> bool:
+    """Whether a stored manifest is protected (an unreadable one is not)."""
+    try:
+        return bool(_PROTECTION.decode(value).protected)
+    except _DECODE_ERRORS:
+        return False
 
 
 class ManifestIndex(Protocol):
+    """Two store copies may share one index: a manifest changes after its commit only
+    through `protect` and `retire`, each a compare-and-set, so that a copy acting on what
+    it listed a moment ago never undoes what the other copy did since."""
+
     async def put(self, manifest: Manifest) -> None:
         """Commit the manifest durably; after this the checkpoint is visible."""
 
@@ -48,6 +71,15 @@ class ManifestIndex(Protocol):
 
     async def delete(self, ref: CheckpointRef) -> None:
         """Remove the manifest; harmless when there is none."""
+
+    async def protect(self, ref: CheckpointRef, reason: str) -> Manifest | None:
+        """Mark the manifest protected with `reason` (one already protected keeps its
+        reason), by compare-and-set; the manifest as stored after, or None when there is
+        none: a manifest deleted meanwhile is never written back."""
+
+    async def retire(self, ref: CheckpointRef) -> bool:
+        """Delete the manifest unless it is protected, by compare-and-set (a `protect`
+        that lands first wins); True if this call deleted it."""
 
 
 def task_pattern(run_id: str, step: str) -> str:
@@ -143,6 +175,35 @@ class KvManifestIndex:
         with nats_errors("delete a checkpoint manifest"):
             await self._bus.kv_delete(self._bucket, ref.key)
 
+    async def protect(self, ref: CheckpointRef, reason: str) -> Manifest | None:
+        def change(current: Manifest | None) -> Manifest | None:
+            if current is None or current.protected:
+                return None  # gone (never created again), or the first reason stays
+            return msgspec.structs.replace(current, protected=reason)
+
+        with nats_errors("protect a checkpoint manifest"):
+            return await self._bus.kv_update(self._bucket, ref.key, Manifest, change)
+
+    async def retire(self, ref: CheckpointRef) -> bool:
+        with nats_errors("retire a checkpoint manifest"):
+            kv = await self._bus.kv(self._bucket)
+            for _ in range(_CAS_TRIES):
+                try:
+                    entry = await kv.get(ref.key)
+                except nats.js.errors.KeyNotFoundError:
+                    return False
+                if entry.value is None or is_protected(entry.value):
+                    return False
+                try:
+                    await kv.delete(ref.key, last=entry.revision)
+                except nats.js.errors.APIError as exc:
+                    if exc.err_code in _WRONG_LAST_SEQUENCE:
+                        continue  # changed since it was read: read it again
+                    raise
+                return True
+        raise StorageUnavailable(f"cannot retire checkpoint {ref.checkpoint_id}: its "
+                                 "manifest kept changing")
+
 
 def matches(pattern: str, key: str) -> bool:
     """NATS subject matching of a key against `*` / `>` patterns."""
@@ -175,3 +236,19 @@ class MemoryManifestIndex:
 
     async def delete(self, ref: CheckpointRef) -> None:
         self.values.pop(ref.key, None)
+
+    async def protect(self, ref: CheckpointRef, reason: str) -> Manifest | None:
+        value = self.values.get(ref.key)
+        current = None if value is None else decode_stored(ref.key, value)
+        if current is None or current.protected:
+            return current
+        protected = msgspec.structs.replace(current, protected=reason)
+        self.values[ref.key] = msgspec.json.encode(protected)
+        return protected
+
+    async def retire(self, ref: CheckpointRef) -> bool:
+        value = self.values.get(ref.key)
+        if value is None or is_protected(value):
+            return False
+        del self.values[ref.key]
+        return True

@@ -29,6 +29,7 @@ import msgspec
 from m27.checkpoint_store._chunks import ChunkStore
 from m27.checkpoint_store._ids import (
     CheckpointRef,
+    checkpoint_id_ms,
     new_checkpoint_id,
     next_id_ms,
     parse_chunk_ids,
@@ -71,6 +72,9 @@ READS_AHEAD: Final = 2
 SHOWN_IDS: Final = 5
 #: A protection's reason is kept to this many characters (one line).
 MAX_REASON: Final = 500
+#: Protect chooses again when the checkpoint it chose was retired meanwhile (by another
+#: copy of the store); after this many tries it gives up.
+PROTECT_TRIES: Final = 8
 
 OnCorrupt = Callable[[events.CheckpointCorrupt], Awaitable[None]]
 OnCommit = Callable[[events.CheckpointCommitted], Awaitable[None]]
@@ -224,7 +228,7 @@ class CheckpointStore:
             existing = await self._index.list(task_pattern(run_id, step))
             previous = max(existing, key=lambda m: m.checkpoint_id, default=None)
             await self._fence(task_id, attempt)  # the task may have moved meanwhile
-            sealed = seal(manifest, checkpoint_id=self._new_id(), now=self._clock(),
+            sealed = seal(manifest, checkpoint_id=self._new_id(previous), now=self._clock(),
                           seq=(previous.seq if previous else 0) + 1, previous=previous)
             await self._index.put(sealed)
             deleted = await self._apply_retention([*existing, sealed])
@@ -245,8 +249,13 @@ class CheckpointStore:
             log.warning("checkpoint.commit_unannounced", checkpoint_id=sealed.checkpoint_id,
                         error=str(exc) or type(exc).__name__)
 
-    def _new_id(self) -> str:
-        self._last_ms = next_id_ms(int(self._clock() * 1000), self._last_ms)
+    def _new_id(self, previous: Manifest | None = None) -> str:
+        """A new id, later than this store's last one and than `previous`, the task's
+        newest checkpoint: that one may come from another copy of the store, whose clock
+        (or burst of commits) is ahead, and ids must sort in commit order (latest,
+        retention)."""
+        floor = checkpoint_id_ms(previous.checkpoint_id) if previous is not None else 0
+        self._last_ms = next_id_ms(int(self._clock() * 1000), max(self._last_ms, floor))
         return new_checkpoint_id(self._last_ms, self._token())
 
     async def _apply_retention(self, manifests: list[Manifest]) -> tuple[str, ...]:
@@ -257,11 +266,13 @@ class CheckpointStore:
         for checkpoint_id in decision.delete:
             manifest = by_id[checkpoint_id]
             try:
-                await self._index.delete(parse_ref(manifest.task_id, checkpoint_id))
+                retired = await self._index.retire(parse_ref(manifest.task_id, checkpoint_id))
             except StorageUnavailable as exc:
                 log.warning("checkpoint.retention_failed", checkpoint_id=checkpoint_id,
                             error=str(exc))
                 break
+            if not retired:  # protected or deleted since it was listed (another copy)
+                continue
             deleted.append(checkpoint_id)
             log.info("checkpoint.retired", task_id=manifest.task_id,
                      checkpoint_id=checkpoint_id, reason=decision.reasons[checkpoint_id])
@@ -349,14 +360,19 @@ class CheckpointStore:
         await self._fence(task_id, _check_attempt(attempt))
         reason = " ".join(reason.split())[:MAX_REASON] or "protected"
         async with self._lock(task_id):
-            existing = await self._index.list(task_pattern(run_id, step))
-            chosen = choose_protected([summarize(m) for m in existing], before_step, before)
-            if chosen is None:
-                return ""
-            manifest = next(m for m in existing if m.checkpoint_id == chosen.checkpoint_id)
-            if not manifest.protected:  # the first anomaly's reason stays
-                await self._index.put(msgspec.structs.replace(manifest, protected=reason))
-        return chosen.checkpoint_id
+            for _ in range(PROTECT_TRIES):
+                existing = await self._index.list(task_pattern(run_id, step))
+                chosen = choose_protected([summarize(m) for m in existing], before_step,
+                                          before)
+                if chosen is None:
+                    return ""
+                # a compare-and-set (the first anomaly's reason stays): a checkpoint that
+                # another copy's retention removed since the listing stays removed
+                ref = parse_ref(task_id, chosen.checkpoint_id)
+                if await self._index.protect(ref, reason) is not None:
+                    return chosen.checkpoint_id
+        raise StorageUnavailable(f"cannot protect a checkpoint of {task_id}: they kept "
+                                 "being retired meanwhile; try again")
 
     async def delete(self, task_id: str, checkpoint_id: str) -> bool:
         """Forget one checkpoint (its chunks go at the next GC); False if there was none."""
