@@ -38,6 +38,8 @@ log = get_logger()
 #: How long a reader waits for a message before it stores the position of messages it
 #: passed (no effect) and looks at `stop` again.
 IDLE_S: Final = 0.5
+#: ... or after this many such messages in a row (a stream that is never idle).
+MARK_EVERY: Final = 1000
 RECONNECT_S: Final = 1.0
 
 #: Applies one message with its position (`History.add_*(…, applied)`); False when the
@@ -59,11 +61,9 @@ class Progress:
 
     def __init__(self) -> None:
         self.next: dict[str, int] = {}
-        self.changed = asyncio.Event()
 
     def advance(self, source: str, sequence: int) -> None:
         self.next[source] = sequence + 1
-        self.changed.set()
 
 
 async def follow(js: JetStreamContext, history: History, source: Source, handle: Handler,
@@ -75,6 +75,7 @@ async def follow(js: JetStreamContext, history: History, source: Source, handle:
     if progress is not None:
         progress.advance(source.name, start - 1)
     passed: Applied | None = None  # the last message with no effect, not yet stored
+    unmarked = 0
     log.info("report.reading", source=source.name, stream=source.stream, start=start)
     try:
         while not stop.is_set():
@@ -85,16 +86,18 @@ async def follow(js: JetStreamContext, history: History, source: Source, handle:
                             error=str(exc) or type(exc).__name__)
                 await _pause(stop, RECONNECT_S)
                 continue
-            if msg is None:
+            if msg is None or unmarked >= MARK_EVERY:
                 if passed is not None:
                     await asyncio.to_thread(history.mark, passed)
-                    passed = None
-                continue
+                passed, unmarked = None, 0
+                if msg is None:
+                    continue
             applied = (source.name, msg.metadata.sequence.stream)
             stored = await _apply(msg, applied, handle, stop)
             if stored is None:
                 return  # stopped while retrying: read again from this message next time
             passed = None if stored else applied
+            unmarked = 0 if stored else unmarked + 1
             if progress is not None:
                 progress.advance(*applied)
     finally:
