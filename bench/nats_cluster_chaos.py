@@ -1,8 +1,9 @@
 """A clustered NATS under chaos, measured: `m27 up --nats-cluster 3 --nodes 2` (R3 streams
 and buckets, services and agents spread over the servers), then round after round: submit
 pipelines, SIGKILL one NATS server while they run — by turns the JetStream meta leader,
-the leader of M27_EVENTS, the leader of KV_m27_nodes (the agents' leases) and the server
-node-agent-1 is connected to —, wait for the runs, start the server again (`m27 up`) and
+the leader of M27_EVENTS, the leader of KV_m27_nodes (the agents' leases), the server
+node-agent-1 is connected to, the leader of M27_COMMANDS (start commands) and the leader of
+KV_m27_runs (the orchestrator's changes and outboxes) —, wait for the runs, start the server again (`m27 up`) and
 wait until it has caught up.
 
 Per round: which roles the killed server had, how long acknowledged writes to an R3 probe
@@ -51,7 +52,8 @@ from tests.nats_cluster_support import (  # the same harness the test uses
     replicas_current,
 )
 
-KINDS = ("meta-leader", "events-leader", "leases-leader", "agent-server")
+KINDS = ("meta-leader", "events-leader", "leases-leader", "agent-server", "commands-leader",
+         "runs-leader")
 #: A run not ended this long after the kill is counted as stuck (and cancelled).
 STUCK_AFTER_S = 90.0
 WATCHED = ("M27_EVENTS", "M27_COMMANDS", "KV_m27_runs", "KV_m27_nodes", "KV_m27_fences",
@@ -65,6 +67,10 @@ async def victim_of(kind: str, cluster: Clustered, bus: NatsBus) -> int:
         return cluster.server_index(await leader(bus, "M27_EVENTS"))
     if kind == "leases-leader":
         return cluster.server_index(await leader(bus, "KV_m27_nodes"))
+    if kind == "commands-leader":  # a start command published during its election
+        return cluster.server_index(await leader(bus, "M27_COMMANDS"))
+    if kind == "runs-leader":  # an orchestrator change stored, its outbox not yet out
+        return cluster.server_index(await leader(bus, "KV_m27_runs"))
     agent = next(p for p in cluster.state.processes if p.name == "node-agent-1")
     first = first_server(agent.pid)
     return next(i for i, n in enumerate(cluster.state.nats_servers) if n.url == first)

@@ -41,6 +41,13 @@ pipeline:
 """
 
 
+async def _runs_once(system: Cluster, client: Client, workdir: Path) -> None:
+    """PIPELINE runs to success, each step once."""
+    run = await finished_run(client, await client.submit(PIPELINE, workdir=str(workdir)))
+    assert run.state == "succeeded", system.logs()
+    assert [s.attempt for s in run.steps] == [1, 1, 1]
+
+
 async def test_a_second_scheduler_waits_and_takes_over_when_the_first_dies(
         tmp_path: Path) -> None:
     system = Cluster(tmp_path, env={"M27_SCHEDULER_LEASE": "2s"})
@@ -50,18 +57,12 @@ async def test_a_second_scheduler_waits_and_takes_over_when_the_first_dies(
         await wait_for(lambda: "leader.standby" in service_log(standby), "a standby",
                        timeout=30)
         async with system.client() as client:
-            run = await finished_run(client, await client.submit(PIPELINE,
-                                                                 workdir=str(tmp_path)))
-            assert run.state == "succeeded", system.logs()
-            assert [s.attempt for s in run.steps] == [1, 1, 1]
+            await _runs_once(system, client, tmp_path)
             assert "leader.elected" not in service_log(standby)
             os.kill(system.processes["scheduler"].pid, signal.SIGKILL)
             await wait_for(lambda: "leader.elected" in service_log(standby),
                            "the standby takes over", timeout=30)
-            run = await finished_run(client, await client.submit(PIPELINE,
-                                                                 workdir=str(tmp_path)))
-            assert run.state == "succeeded", system.logs()
-            assert [s.attempt for s in run.steps] == [1, 1, 1]
+            await _runs_once(system, client, tmp_path)
     finally:
         system.stop()
 
@@ -104,10 +105,7 @@ async def test_a_deposed_scheduler_stops_acting_and_is_no_longer_ready(
             await bus.close()
         assert keys == [subjects.service_key("scheduler", "standby")], keys
         async with system.client() as client:  # and work goes on through the new one
-            run = await finished_run(client, await client.submit(PIPELINE,
-                                                                 workdir=str(tmp_path)))
-            assert run.state == "succeeded", system.logs()
-            assert [s.attempt for s in run.steps] == [1, 1, 1]
+            await _runs_once(system, client, tmp_path)
     finally:
         system.stop()
 
