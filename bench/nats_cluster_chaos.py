@@ -3,8 +3,8 @@ and buckets, services and agents spread over the servers), then round after roun
 pipelines, SIGKILL one NATS server while they run — by turns the JetStream meta leader,
 the leader of M27_EVENTS, the leader of KV_m27_nodes (the agents' leases), the server
 node-agent-1 is connected to, the leader of M27_COMMANDS (start commands) and the leader of
-KV_m27_runs (the orchestrator's changes and outboxes) —, wait for the runs, start the server again (`m27 up`) and
-wait until it has caught up.
+KV_m27_runs (the orchestrator's changes and outboxes) —, wait for the runs, start the
+server again (`m27 up`) and wait until it has caught up.
 
 Per round: which roles the killed server had, how long acknowledged writes to an R3 probe
 stream stalled, how long until every stream had a leader again, how long the round's runs
