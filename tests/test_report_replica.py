@@ -86,3 +86,20 @@ async def test_each_message_once_from_the_stored_position(bus: NatsBus,
         assert history.position(SOURCE.name) == seqs[-1] + 1
     finally:
         history.close()
+
+
+async def test_a_position_beyond_a_stream_that_was_made_anew_reads_it_from_its_start(
+        bus: NatsBus, tmp_path: Path) -> None:
+    """A copy whose store outlived the bus's (NATS rebuilt, `m27 bus setup` on an empty
+    cluster): its stored position lies past the stream's end. It reads the stream from its
+    start, and stores the new positions."""
+    history = History(tmp_path / "history.sqlite")
+    try:
+        history.mark((SOURCE.name, 1_000_000))
+        seqs = await publish(bus, b"one", b"two")
+        recorder = Recorder(history, want=2)
+        await run_until_done(bus, history, recorder)
+        assert recorder.seen == [b"one", b"two"]
+        assert history.position(SOURCE.name) == seqs[-1] + 1
+    finally:
+        history.close()

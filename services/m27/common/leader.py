@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import secrets
 import socket
@@ -244,10 +245,12 @@ class FencedBus:
         return await self._bus.request(subject, data, timeout)
 
 
+@functools.cache
 def this_host() -> str:
     """Where a pid means the same process: the host name, the machine's boot and the PID
     namespace. Two pods of one Deployment share a host name (`hostname:` in the manifest)
-    and may share pids, but not a PID namespace; two machines do not share a boot id."""
+    and may share pids, but not a PID namespace; two machines do not share a boot id.
+    Read once: none of them changes while the process runs."""
     parts = [socket.gethostname()]
     for source in ("/proc/sys/kernel/random/boot_id", "/proc/self/ns/pid"):
         try:

@@ -57,11 +57,6 @@ class StreamPages:
         self._sub: JetStreamContext.PushSubscription | None = None
         self._taken = 0
 
-    @property
-    def position(self) -> int:
-        """The stream sequence the next message will be at or after (after `next`)."""
-        return self._start.sequence if self._start.policy == "sequence" else 0
-
     async def open(self) -> bool:
         """Subscribe the first page; True when it has nothing at all to send (yet)."""
         sub = await self._page()

@@ -69,7 +69,7 @@ class Progress:
 async def follow(js: JetStreamContext, history: History, source: Source, handle: Handler,
                  stop: asyncio.Event, progress: Progress | None = None) -> None:
     """Read `source` from the stored position until `stop`, applying each message once."""
-    start = await asyncio.to_thread(history.position, source.name)
+    start = await _start(js, history, source)
     pages = StreamPages(js, source.stream, source.filters,
                         StartAt(policy="sequence", sequence=start))
     if progress is not None:
@@ -105,6 +105,22 @@ async def follow(js: JetStreamContext, history: History, source: Source, handle:
             with contextlib.suppress(Exception):
                 await asyncio.to_thread(history.mark, passed)
         await pages.close()
+
+
+async def _start(js: JetStreamContext, history: History, source: Source) -> int:
+    """The stored position; the stream's start when that lies past the stream's end (the
+    bus was made anew while this store was kept: its sequences began again at 1)."""
+    start = await asyncio.to_thread(history.position, source.name)
+    try:
+        state = (await js.stream_info(source.stream)).state
+    except (nats.errors.Error, TimeoutError):
+        return start  # NATS away: the stored position stands (the reader waits for it)
+    if start <= state.last_seq + 1:
+        return start
+    log.warning("report.position_beyond_stream", source=source.name, stream=source.stream,
+                position=start, last_sequence=state.last_seq)
+    await asyncio.to_thread(history.forget_position, source.name)
+    return max(1, state.first_seq)
 
 
 async def _apply(msg: Msg, applied: Applied, handle: Handler,

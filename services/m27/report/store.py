@@ -249,6 +249,11 @@ class History:
                                   (source,)).fetchone()
         return 1 if row is None else int(row[0]) + 1
 
+    def forget_position(self, source: str) -> None:
+        """Read `source` from its start again (its stream was made anew)."""
+        with self._transaction():
+            self.db.execute("DELETE FROM positions WHERE source = ?", (source,))
+
     def mark(self, applied: Applied) -> None:
         """Record that `source` was read up to this sequence (messages with no effect)."""
         with self._transaction(applied):
