@@ -148,6 +148,10 @@ def check_ref(ref: ChunkRef, where: str) -> None:
             raise InvalidCheckpointRequest(
                 f"{where}: chunk {node.id[:12]}: an xor-zstd chunk needs a base, a zstd "
                 "chunk has none")
+        if node.codec == "raw" and (node.id != node.raw_sha256 or node.stored != node.length):
+            raise InvalidCheckpointRequest(
+                f"{where}: chunk {node.id[:12]}: a raw chunk is stored as it is (its id is "
+                "its raw_sha256, its stored size its length)")
         if node.base is not None and node.base.length != node.length:
             raise InvalidCheckpointRequest(
                 f"{where}: chunk {node.id[:12]} and its base differ in length")

@@ -36,7 +36,15 @@ from m27.common.checkpoint_api import (
     rpc_error,
     summary_from_proto,
 )
-from m27.common.checkpoint_format import Entry, Manifest, chunk_ids, plan_entry, read_entry, sha256
+from m27.common.checkpoint_format import (
+    Entry,
+    Manifest,
+    Payload,
+    chunk_ids,
+    plan_entry,
+    read_entry,
+    sha256,
+)
 from m27.common.grpc_server import CLIENT_OPTIONS
 from m27.v1 import checkpoint_pb2 as pb
 from m27.v1 import checkpoint_pb2_grpc as pb_grpc
@@ -95,7 +103,7 @@ def needed_ids(entries: Iterable[Entry]) -> list[str]:
 
 
 def put_requests(task_id: str, attempt: int,
-                 chunks: Mapping[str, bytes]) -> Iterator[pb.PutChunksRequest]:
+                 chunks: Mapping[str, Payload]) -> Iterator[pb.PutChunksRequest]:
     yield pb.PutChunksRequest(header=pb.PutChunksHeader(task_id=task_id, attempt=attempt))
     for chunk_id, data in chunks.items():
         yield pb.PutChunksRequest(chunk=pb.Chunk(id=chunk_id, data=bytes(data)))
@@ -122,10 +130,10 @@ def batches(ids: Sequence[str], size: int = IDS_PER_CALL) -> Iterator[list[str]]
         yield list(ids[start:start + size])
 
 
-def upload_batches(chunks: Mapping[str, bytes],
-                   limit: int = UPLOAD_BYTES_PER_CALL) -> Iterator[dict[str, bytes]]:
+def upload_batches(chunks: Mapping[str, Payload],
+                   limit: int = UPLOAD_BYTES_PER_CALL) -> Iterator[dict[str, Payload]]:
     """The chunks in groups of at most `limit` bytes (a larger chunk alone)."""
-    batch: dict[str, bytes] = {}
+    batch: dict[str, Payload] = {}
     size = 0
     for chunk_id, data in chunks.items():
         if batch and size + len(data) > limit:
@@ -188,10 +196,10 @@ class RemoteStore:
     def missing(self, chunk_ids: Sequence[str]) -> set[str]:
         return self._missing(self.task_id, self.attempt, chunk_ids)
 
-    def put_chunks(self, chunks: Mapping[str, bytes]) -> None:
+    def put_chunks(self, chunks: Mapping[str, Payload]) -> None:
         self.upload(chunks)
 
-    def upload(self, chunks: Mapping[str, bytes]) -> PutSummary:
+    def upload(self, chunks: Mapping[str, Payload]) -> PutSummary:
         """`put_chunks`, telling how many chunks and bytes were new to the store."""
         return self._upload(self._task(), self.attempt, chunks)
 
@@ -204,7 +212,7 @@ class RemoteStore:
                 absent.update(reply.ids)
         return absent
 
-    def _upload(self, task_id: str, attempt: int, chunks: Mapping[str, bytes]) -> PutSummary:
+    def _upload(self, task_id: str, attempt: int, chunks: Mapping[str, Payload]) -> PutSummary:
         total = PutSummary(0, 0, 0)
         with _errors():
             for batch in upload_batches(chunks):

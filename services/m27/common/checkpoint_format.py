@@ -4,11 +4,15 @@ shared by the training library, the node-agent's file uploads and the checkpoint
 A checkpoint is a manifest of *entries* (tensors, files, small blobs). Each entry's bytes
 are cut into chunks of at most `CHUNK_BYTES`; each chunk is stored as
 - `zstd`: zstd-compressed raw bytes, or
-- `xor-zstd`: zstd of (raw XOR the same chunk of the previous checkpoint): for a float
+- `raw`: the bytes themselves, where compression does not pay (dense float32 training
+  state compresses by under 10 %; writing it is faster than compressing it); its id and
+  `raw_sha256` are the same hash, computed once.
+- `xor-zstd`: zstd of (raw XOR the same chunk of an earlier checkpoint): for a float
   tensor that changed a little, sign, exponent and high mantissa bits mostly agree, so the
   XOR is mostly zero bits and compresses far better than the raw bytes. Only entries of at
-  least `[checkpoint] diff_threshold` bytes are stored as deltas, and every `full_every`-th
-  checkpoint stores no deltas, so a restore never follows a chain longer than that.
+  least `[checkpoint] diff_threshold` bytes are stored as deltas. The training library
+  stores deltas against the last *full* checkpoint, so a restore decodes at most one
+  delta over a full chunk.
 A chunk's id is the sha256 of its *stored* bytes (what the store verifies on every write
 and read); `raw_sha256` checks the decoded bytes. A chunk whose raw bytes are unchanged
 since the previous checkpoint keeps its previous ref: it is neither encoded nor sent nor
@@ -30,7 +34,9 @@ from m27.common.errors import M27Error
 
 CHUNK_BYTES: Final = 4 * 1024 * 1024
 CHUNK_ID_RE: Final = re.compile(r"[0-9a-f]{64}")
-Codec = Literal["zstd", "xor-zstd"]
+Codec = Literal["raw", "zstd", "xor-zstd"]
+#: Stored bytes on their way to a store (a memoryview avoids copying a raw chunk).
+Payload = bytes | memoryview
 EntryKind = Literal["tensor", "file", "bytes"]
 
 
@@ -99,10 +105,15 @@ def _xor(a: bytes | memoryview, b: bytes | memoryview) -> bytes:
 
 
 def encode_chunk(raw: bytes | memoryview, base: tuple[ChunkRef, bytes] | None,
-                 compressor: zstandard.ZstdCompressor) -> tuple[ChunkRef, bytes]:
-    """The stored form of one chunk: a delta against `base` (its ref and decoded bytes)
-    when that is smaller, else plain zstd."""
-    raw_hash = sha256(raw)
+                 compressor: zstandard.ZstdCompressor, *, compress: bool = True,
+                 raw_hash: str | None = None) -> tuple[ChunkRef, Payload]:
+    """The stored form of one chunk: with `compress`, a delta against `base` (its ref and
+    decoded bytes) when that is smaller, else plain zstd; without, the raw bytes.
+    `raw_hash`: the sha256 of `raw`, when the caller has it already."""
+    raw_hash = raw_hash or sha256(raw)
+    if not compress:
+        return ChunkRef(id=raw_hash, raw_sha256=raw_hash, length=len(raw), stored=len(raw),
+                        codec="raw"), raw
     payload, codec = compressor.compress(raw), "zstd"
     if base is not None and base[0].length == len(raw):
         delta = compressor.compress(_xor(raw, base[1]))
@@ -123,14 +134,19 @@ def decode_chunk(ref: ChunkRef, read: ChunkSource,
     payload = read(ref.id)
     if sha256(payload) != ref.id:
         raise CorruptChunk(f"chunk {ref.id[:12]} does not match its hash")
-    unzip = decompressor or zstandard.ZstdDecompressor()
-    raw = unzip.decompress(payload, max_output_size=ref.length)
-    if ref.codec == "xor-zstd":
-        if ref.base is None:
-            raise CorruptChunk(f"delta chunk {ref.id[:12]} has no base")
-        raw = _xor(raw, decode_chunk(ref.base, read, unzip, cache))
-    if len(raw) != ref.length or sha256(raw) != ref.raw_sha256:
-        raise CorruptChunk(f"chunk {ref.id[:12]} decodes to the wrong bytes")
+    if ref.codec == "raw":  # the stored bytes are the raw bytes: one hash checks both
+        if len(payload) != ref.length or ref.raw_sha256 != ref.id:
+            raise CorruptChunk(f"chunk {ref.id[:12]} decodes to the wrong bytes")
+        raw = payload
+    else:
+        unzip = decompressor or zstandard.ZstdDecompressor()
+        raw = unzip.decompress(payload, max_output_size=ref.length)
+        if ref.codec == "xor-zstd":
+            if ref.base is None:
+                raise CorruptChunk(f"delta chunk {ref.id[:12]} has no base")
+            raw = _xor(raw, decode_chunk(ref.base, read, unzip, cache))
+        if len(raw) != ref.length or sha256(raw) != ref.raw_sha256:
+            raise CorruptChunk(f"chunk {ref.id[:12]} decodes to the wrong bytes")
     if cache is not None:
         cache[ref.id] = raw
     return raw
@@ -145,7 +161,7 @@ def plan_entry(name: str, kind: EntryKind, data: memoryview, previous: Entry | N
                *, delta: bool, compressor: zstandard.ZstdCompressor,
                previous_raw: Callable[[int], bytes] | None = None,
                chunk_bytes: int = CHUNK_BYTES, dtype: str = "", shape: Sequence[int] = (),
-               mode: int = 0o644) -> tuple[Entry, dict[str, bytes]]:
+               mode: int = 0o644, compress: bool = True) -> tuple[Entry, dict[str, bytes]]:
     """An entry of `data` and the chunks to store for it (id → stored bytes).
 
     A chunk whose raw bytes equal the previous checkpoint's chunk at the same place keeps
@@ -156,16 +172,17 @@ def plan_entry(name: str, kind: EntryKind, data: memoryview, previous: Entry | N
     old = previous.chunks if previous is not None and previous.size == len(data) else ()
     for index, raw in enumerate(chunks_of(data, chunk_bytes)):
         before = old[index] if index < len(old) else None
-        if before is not None and before.length == len(raw) and \
-                before.raw_sha256 == sha256(raw):
+        raw_hash = sha256(raw)
+        if before is not None and before.length == len(raw) and before.raw_sha256 == raw_hash:
             refs.append(before)
             continue
         base = None
-        if delta and before is not None and previous_raw is not None:
+        if delta and compress and before is not None and previous_raw is not None:
             base = (before, previous_raw(index))
-        ref, payload = encode_chunk(raw, base, compressor)
+        ref, payload = encode_chunk(raw, base, compressor, compress=compress,
+                                    raw_hash=raw_hash)
         refs.append(ref)
-        new.setdefault(ref.id, payload)
+        new.setdefault(ref.id, bytes(payload))
     entry = Entry(name=name, kind=kind, size=len(data), chunks=tuple(refs), dtype=dtype,
                   shape=tuple(shape), mode=mode)
     return entry, new
@@ -195,7 +212,7 @@ def chain_depth(ref: ChunkRef) -> int:
     return depth
 
 
-def stored_size(new_chunks: Mapping[str, bytes]) -> int:
+def stored_size(new_chunks: Mapping[str, Payload]) -> int:
     return sum(len(v) for v in new_chunks.values())
 
 

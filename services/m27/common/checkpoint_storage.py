@@ -15,6 +15,7 @@ import contextlib
 import os
 import secrets
 import stat
+import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -22,7 +23,7 @@ from typing import Final, Protocol
 
 import msgspec
 
-from m27.common.checkpoint_format import CorruptChunk, Manifest, is_chunk_id, sha256
+from m27.common.checkpoint_format import CorruptChunk, Manifest, Payload, is_chunk_id, sha256
 
 TMP_PREFIX: Final = ".tmp-"
 #: Where `m27.train` keeps a LocalStore inside M27_CHECKPOINT_DIR when no checkpoint-store
@@ -34,11 +35,13 @@ READ_FLAGS: Final = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
 
 class CheckpointSink(Protocol):
     """What the training library needs of a store (the checkpoint-store or a directory).
-    Called from background threads; each call is durable when it returns."""
+    Called from background threads. A chunk put is durable by the time a commit that
+    names it returns (a directory fsyncs the chunks' folders once, in the commit); a
+    commit is durable when it returns."""
 
     def missing(self, chunk_ids: Sequence[str]) -> set[str]: ...
 
-    def put_chunks(self, chunks: Mapping[str, bytes]) -> None: ...
+    def put_chunks(self, chunks: Mapping[str, Payload]) -> None: ...
 
     def commit(self, manifest: Manifest) -> Manifest: ...
 
@@ -46,7 +49,8 @@ class CheckpointSink(Protocol):
 
     def list(self, task_id: str) -> list[Manifest]: ...
 
-    def read_chunk(self, chunk_id: str) -> bytes: ...
+    def read_chunk(self, chunk_id: str) -> bytes:
+        """A chunk's stored bytes, perhaps unverified: read them through `decode_chunk`."""
 
 
 def fsync_dir(path: Path) -> None:
@@ -57,9 +61,10 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_durably(path: Path, data: bytes) -> None:
+def write_durably(path: Path, data: Payload, *, sync_dir: bool = True) -> None:
     """Temp file in the same directory, fsync, rename, fsync the directory (and the one
-    above it when the directory is new, so its entry survives a crash too)."""
+    above it when the directory is new, so its entry survives a crash too). `sync_dir`
+    False: the caller fsyncs the directory later, before anything refers to the file."""
     if not path.parent.is_dir():
         path.parent.mkdir(parents=True, exist_ok=True)
         fsync_dir(path.parent.parent)
@@ -73,7 +78,8 @@ def write_durably(path: Path, data: bytes) -> None:
     finally:
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()
-    fsync_dir(path.parent)
+    if sync_dir:
+        fsync_dir(path.parent)
 
 
 class ChunkDir:
@@ -95,25 +101,43 @@ class ChunkDir:
         except FileNotFoundError:
             return False
 
-    def put(self, chunk_id: str, data: bytes) -> bool:
-        """Store a chunk (verified against its id); False if it was there already."""
-        if sha256(data) != chunk_id:
+    def put(self, chunk_id: str, data: Payload, *, verify: bool = True,
+            sync_dir: bool = True) -> bool:
+        """Store a chunk (verified against its id unless the caller has just computed that
+        id from these very bytes); False if it was there already. `sync_dir` False: the
+        caller fsyncs the chunk's directory (`path(id).parent`) before committing."""
+        if verify and sha256(data) != chunk_id:
             raise CorruptChunk(f"chunk {chunk_id[:12]} does not match its bytes")
         if self.has(chunk_id):
             return False
-        write_durably(self.path(chunk_id), data)
+        write_durably(self.path(chunk_id), data, sync_dir=sync_dir)
         return True
 
-    def get(self, chunk_id: str) -> bytes:
-        """The chunk's bytes; CorruptChunk if they no longer match their id."""
+    def get(self, chunk_id: str, *, verify: bool = True) -> bytes:
+        """The chunk's bytes; CorruptChunk if they no longer match their id (`verify`
+        False: the caller verifies, as `decode_chunk` does, so the bytes are hashed once)."""
         fd = os.open(self.path(chunk_id), READ_FLAGS)
         with os.fdopen(fd, "rb") as file:
             if not stat.S_ISREG(os.fstat(fd).st_mode):
                 raise CorruptChunk(f"chunk {chunk_id[:12]} is not a regular file")
             data = file.read()
-        if sha256(data) != chunk_id:
+        if verify and sha256(data) != chunk_id:
             raise CorruptChunk(f"chunk {chunk_id[:12]} is corrupt on disk")
         return data
+
+    def read_into(self, chunk_id: str, target: memoryview) -> None:
+        """Read a chunk of exactly `len(target)` stored bytes straight into `target`, not
+        verified (the caller hashes `target`); CorruptChunk if its size differs."""
+        fd = os.open(self.path(chunk_id), READ_FLAGS)
+        with os.fdopen(fd, "rb", buffering=0) as file:
+            if not stat.S_ISREG(os.fstat(fd).st_mode) or os.fstat(fd).st_size != len(target):
+                raise CorruptChunk(f"chunk {chunk_id[:12]} is not {len(target)} bytes on disk")
+            done = 0
+            while done < len(target):
+                read = file.readinto(target[done:])
+                if not read:
+                    raise CorruptChunk(f"chunk {chunk_id[:12]} ended early")
+                done += read
 
     def ids(self) -> Iterable[str]:
         for folder in self.root.iterdir():
@@ -147,13 +171,19 @@ class LocalStore:
         self.chunks = ChunkDir(root)
         self.manifests = root / "manifests"
         self.manifests.mkdir(parents=True, exist_ok=True)
+        self._unsynced: set[Path] = set()  # chunk directories to fsync before a commit
+        self._lock = threading.Lock()
 
     def missing(self, chunk_ids: Sequence[str]) -> set[str]:
         return {c for c in chunk_ids if not self.chunks.has(c)}
 
-    def put_chunks(self, chunks: Mapping[str, bytes]) -> None:
+    def put_chunks(self, chunks: Mapping[str, Payload]) -> None:
+        """Stored as given: the writer (this process) computed each id from its bytes, and
+        every read verifies them. Each file is fsynced here, its folder in `commit`."""
         for chunk_id, data in chunks.items():
-            self.chunks.put(chunk_id, data)
+            self.chunks.put(chunk_id, data, verify=False, sync_dir=False)
+            with self._lock:  # (also when it was there: perhaps not yet synced either)
+                self._unsynced.add(self.chunks.path(chunk_id).parent)
 
     def commit(self, manifest: Manifest) -> Manifest:
         """Make the checkpoint visible: its chunks must all be stored already."""
@@ -162,6 +192,10 @@ class LocalStore:
         absent = self.missing(sorted(chunk_ids(manifest)))
         if absent:
             raise ValueError(f"{len(absent)} chunk(s) of the checkpoint are not stored")
+        with self._lock:
+            unsynced, self._unsynced = self._unsynced, set()
+        for folder in sorted(unsynced):  # the chunks' names are durable before the manifest
+            fsync_dir(folder)
         committed = msgspec.structs.replace(
             manifest, checkpoint_id=manifest.checkpoint_id or new_checkpoint_id(time.time()))
         write_durably(self._path(committed.task_id, committed.checkpoint_id),
@@ -193,4 +227,9 @@ class LocalStore:
             self._path(task_id, checkpoint_id).unlink()
 
     def read_chunk(self, chunk_id: str) -> bytes:
-        return self.chunks.get(chunk_id)
+        """Not hashed here: `decode_chunk`, the only reader, verifies every chunk."""
+        return self.chunks.get(chunk_id, verify=False)
+
+    def read_chunk_into(self, chunk_id: str, target: memoryview) -> None:
+        """A raw chunk straight into its place in a tensor (the caller verifies it)."""
+        self.chunks.read_into(chunk_id, target)

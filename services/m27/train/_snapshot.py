@@ -85,19 +85,19 @@ class Snapshot:
 
 
 class HostBuffers:
-    """Per tensor, one or two host byte buffers (pinned when the tensors are on a GPU)
-    and which one holds the bytes of the last committed checkpoint.
+    """Per tensor, one or two host byte buffers (pinned when the tensors are on a GPU).
 
-    With two slots a changed tensor is copied into the slot that does not hold the last
-    checkpoint's bytes, which stay there as the base of an XOR delta (no re-read from
-    the store); with one slot there is no in-memory base. Touched only by the thread
-    that owns the snapshot in flight (at most one at a time)."""
+    With two slots, one holds the bytes of the last *full* checkpoint, the base of the
+    XOR deltas of the checkpoints after it (no re-read from the store); a changed tensor
+    is copied into the other. With one slot there is no in-memory base. Touched only by
+    the thread that owns the snapshot in flight (at most one at a time)."""
 
     def __init__(self, slots: int) -> None:
         self.slots = slots
         self._lock = threading.Lock()  # the copier allocates, the persister prepares
         self._buffers: dict[str, list[torch.Tensor | None]] = {}
-        self._committed: dict[str, tuple[int, Signature]] = {}
+        self._committed: dict[str, tuple[int, Signature]] = {}  # the last checkpoint's
+        self._full: dict[str, int] = {}  # the slot holding the last full checkpoint's bytes
 
     def plan(self, ref: TensorRef, *, skip_unchanged: bool) -> None:
         """Decide whether `ref` is copied, into which slot, and its delta base."""
@@ -108,9 +108,10 @@ class HostBuffers:
             ref.data = self.get(ref.name, held[0])
             return
         ref.reuse = False
-        ref.slot = 1 - held[0] if held is not None and self.slots == 2 else 0
-        if held is not None and self.slots == 2:
-            ref.base = self.get(ref.name, held[0])
+        full = self._full.get(ref.name)
+        ref.slot = 1 - full if full is not None and self.slots == 2 else 0
+        if full is not None and self.slots == 2:
+            ref.base = self.get(ref.name, full)
 
     def ensure(self, name: str, slot: int, nbytes: int, *, pin: bool) -> torch.Tensor:
         with self._lock:
@@ -143,20 +144,25 @@ class HostBuffers:
         assert buffer is not None
         return buffer
 
-    def committed(self, refs: list[TensorRef]) -> None:
-        """The snapshot of `refs` is durable: its slots now hold the checkpoint's bytes."""
+    def committed(self, refs: list[TensorRef], *, full: bool) -> None:
+        """The snapshot of `refs` is durable: its slots now hold the checkpoint's bytes
+        (and, for a full checkpoint, the base of the deltas to come)."""
         for ref in refs:
             if ref.signature is not None:
                 self._committed[ref.name] = (ref.slot, ref.signature)
+                if full:
+                    self._full[ref.name] = ref.slot
 
     def forget(self) -> None:
         """After a failed checkpoint nothing in the buffers is known to be committed."""
         self._committed.clear()
+        self._full.clear()
 
     def prune(self, names: set[str]) -> None:
         for name in [n for n in self._buffers if n not in names]:
             del self._buffers[name]
             self._committed.pop(name, None)
+            self._full.pop(name, None)
 
     @property
     def nbytes(self) -> int:
