@@ -11,13 +11,14 @@ a walk over every parameter.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from m27.train import _rng, _state
+from m27.train._gang import is_dtensor, local_of
 from m27.train._snapshot import HostBuffers, Snapshot, TensorRef, bytes_of, signature
 
 
@@ -52,15 +53,30 @@ class StateLayout:
 
 
 class Capture:
-    """Fills a Snapshot's skeleton and tensor list."""
+    """Fills a Snapshot's skeleton and tensor list.
+
+    For a rank of a gang (`_ranks`): `names` gives the entry name of a state path (its
+    rank's prefix), `shared=False` leaves the model, optimizer, scheduler and scaler out
+    (a DDP rank other than 0: rank 0 saves them), and `model_now` reads the model's
+    state_dict in after_step, not on the copier thread (FSDP: its state_dict() reshards
+    the parameters, which must not happen while the next forward runs). The local shard
+    of a DTensor is saved, with what rebuilds it in the skeleton's "dtensors".
+    `versions_tell=False`: a tensor other than a DTensor may be written by a collective
+    (ZeRO broadcasts the parameters each rank updated), which bumps no version counter,
+    so it is never taken as unchanged."""
 
     def __init__(self, snapshot: Snapshot, buffers: HostBuffers, layout: StateLayout, *,
-                 pack_below: int, skip_unchanged: bool) -> None:
+                 pack_below: int, skip_unchanged: bool,
+                 names: Callable[[str], str] | None = None, shared: bool = True,
+                 model_now: bool = False, versions_tell: bool = True) -> None:
         self.snapshot, self.buffers, self.layout = snapshot, buffers, layout
         self.pack_below, self.skip_unchanged = pack_below, skip_unchanged
+        self.names = names
+        self.shared, self.model_now, self.versions_tell = shared, model_now, versions_tell
         self._sync_model: dict[str, int] = {}
         self._optimizer_state: Any = None
         self._model: torch.nn.Module | None = None
+        self._model_state: Any = None
         self._cuda_devices: set[int] = set()
 
     # ------------------------------------------------------------------ in after_step
@@ -68,17 +84,11 @@ class Capture:
     def capture_now(self, sources: Sources, cursor: Mapping[str, int]) -> None:
         skeleton = self.snapshot.skeleton
         skeleton["format"] = 1
-        self._model = sources.model
-        for path, module, attr in self.layout.buffers:
-            tensor = module._buffers.get(attr)
-            if tensor is not None:
-                self._sync_model[path] = self.sync(tensor, path)
-        state = sources.optimizer.state_dict()
-        self._optimizer_state = state["state"]  # live tensors: walked by capture_rest
-        skeleton["optimizer"] = {key: _state.encode(value, self.sync, f"optimizer/{key}")
-                                 for key, value in state.items() if key != "state"}
-        skeleton["scheduler"] = self._stateful(sources.scheduler, "scheduler")
-        skeleton["scaler"] = self._scaler(sources.scaler)
+        if self.shared:
+            self._capture_shared(sources)
+        else:
+            skeleton["model"] = skeleton["optimizer"] = None
+            skeleton["scheduler"] = skeleton["scaler"] = None
         skeleton["sampler"] = self._stateful(sources.sampler, "sampler")
         skeleton["extras"] = {name: self._extra(name, value)
                               for name, value in (sources.extras or {}).items()}
@@ -92,6 +102,22 @@ class Capture:
             self.snapshot.sync_events.append(event)
             self.snapshot.cuda_start[device] = event
         self._cuda_devices.clear()
+
+    def _capture_shared(self, sources: Sources) -> None:
+        skeleton = self.snapshot.skeleton
+        self._model = sources.model
+        for path, module, attr in self.layout.buffers:
+            tensor = module._buffers.get(attr)
+            if tensor is not None:
+                self._sync_model[path] = self.sync(tensor, path)
+        if self.model_now:
+            self._model_state = sources.model.state_dict()
+        state = sources.optimizer.state_dict()
+        self._optimizer_state = state["state"]  # live tensors: walked by capture_rest
+        skeleton["optimizer"] = {key: _state.encode(value, self.sync, f"optimizer/{key}")
+                                 for key, value in state.items() if key != "state"}
+        skeleton["scheduler"] = self._stateful(sources.scheduler, "scheduler")
+        skeleton["scaler"] = self._scaler(sources.scaler)
 
     def _stateful(self, obj: Any, path: str) -> Any:
         return None if obj is None else _state.encode(obj.state_dict(), self.sync, path)
@@ -122,7 +148,7 @@ class Capture:
     def sync(self, tensor: torch.Tensor, path: str) -> int:
         """A tensor that may change before the next optimizer step: copied now (on a GPU:
         on the compute stream, so the copy is ordered before whatever changes it)."""
-        ref = self._ref(tensor, path)
+        ref, tensor = self._ref(tensor, path)
         if tensor.is_cuda:
             ref.data = torch.empty(ref.nbytes, dtype=torch.uint8, pin_memory=True)
             ref.data.copy_(bytes_of(tensor), non_blocking=True)
@@ -137,12 +163,13 @@ class Capture:
     def capture_rest(self) -> None:
         """Parameters and optimizer state: planned for the copy (call before it)."""
         skeleton = self.snapshot.skeleton
-        assert self._model is not None
-        skeleton["model"] = _state.encode(self._model.state_dict(), self._model_tensor,
-                                          "model")
+        if self._model is None:  # not saved by this rank
+            return
+        model_state = self._model_state if self.model_now else self._model.state_dict()
+        skeleton["model"] = _state.encode(model_state, self._model_tensor, "model")
         skeleton["optimizer"]["state"] = _state.encode(self._optimizer_state, self.background,
                                                        "optimizer/state")
-        self._optimizer_state = self._model = None
+        self._optimizer_state = self._model = self._model_state = None
         self.layout.devices |= self._cuda_devices
 
     def _model_tensor(self, tensor: torch.Tensor, path: str) -> int:
@@ -156,21 +183,30 @@ class Capture:
 
     def background(self, tensor: torch.Tensor, path: str) -> int:
         """A tensor only optimizer.step() changes: copied by the copier thread."""
-        ref = self._ref(tensor, path)
-        ref.source, ref.signature = tensor.detach(), signature(tensor)
-        self.buffers.plan(ref, skip_unchanged=self.skip_unchanged)
+        ref, local = self._ref(tensor, path)
+        ref.source, ref.signature = local.detach(), signature(local)
+        if local is not tensor:  # a DTensor: in-place changes bump its version, not its shard's
+            address, _, dtype, shape, device = ref.signature
+            ref.signature = (address, tensor._version, dtype, shape, device)
+        self.buffers.plan(ref, skip_unchanged=self.skip_unchanged and (
+            self.versions_tell or local is not tensor))
         if ref.reuse:
             ref.source = None
-        elif tensor.is_cuda:
-            self._cuda_devices.add(tensor.device.index or 0)
+        elif local.is_cuda:
+            self._cuda_devices.add(local.device.index or 0)
         return ref.index
 
-    def _ref(self, tensor: torch.Tensor, path: str) -> TensorRef:
+    def _ref(self, tensor: torch.Tensor, path: str) -> tuple[TensorRef, torch.Tensor]:
+        """A new ref for `tensor` and the tensor whose bytes it holds (a DTensor's shard)."""
+        index = len(self.snapshot.refs)
+        if is_dtensor(tensor):
+            tensor, described = local_of(tensor, path)
+            self.snapshot.skeleton.setdefault("dtensors", {})[str(index)] = described
         if tensor.layout != torch.strided or tensor.is_quantized or tensor.is_meta:
             raise TypeError(f"cannot checkpoint {path}: a {tensor.layout} tensor")
         nbytes = tensor.numel() * tensor.element_size()
-        ref = TensorRef(index=len(self.snapshot.refs), name=path, dtype=tensor.dtype,
-                        shape=tuple(tensor.shape), nbytes=nbytes,
+        ref = TensorRef(index=index, name=self.names(path) if self.names else path,
+                        dtype=tensor.dtype, shape=tuple(tensor.shape), nbytes=nbytes,
                         packed=nbytes < self.pack_below)
         self.snapshot.refs.append(ref)
-        return ref
+        return ref, tensor

@@ -25,7 +25,7 @@ import signal as signals
 import threading
 import time
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from types import FrameType
 from typing import Any, Final, NoReturn
@@ -39,14 +39,17 @@ from m27.train import _rng, _state
 from m27.train._capture import Capture, Sources, StateLayout
 from m27.train._cursor import Cursor
 from m27.train._errors import CheckpointError, RestoreError
+from m27.train._gang import Gang, Restored, local_tensor, read_parts, sharded_again
 from m27.train._log import log
-from m27.train._persist import DeltaBase, Persister, Priority
-from m27.train._policy import Policy, decide, next_kind
+from m27.train._persist import Compress, DeltaBase, Persister, Priority, usable_cores
+from m27.train._policy import Decision, Policy, decide, next_kind
+from m27.train._ranks import Vote, layout_problem, must_agree, settle, step_due
 from m27.train._restore import is_train_checkpoint, read_checkpoint
 from m27.train._snapshot import Copier, HostBuffers, Snapshot, wait_copied
 from m27.train._stores import open_store, task_identity
 
 PACK_BELOW: Final = 1024 * 1024
+BufferPlan = list[tuple[str, torch.Tensor, tuple[int, ...]]]  # (entry name, tensor, slots)
 
 
 @dataclass
@@ -83,7 +86,9 @@ class Counters:
 
 class Checkpointer:
     """Saves model, optimizer, scheduler, scaler, RNG states, data cursor, sampler and
-    `extras` with a stall of a snapshot, and restores them (see the module docstring)."""
+    `extras` with a stall of a snapshot, and restores them (see the module docstring).
+    Under torch.distributed with several ranks every rank makes one and they work as a
+    gang (`sharded`, `rank_timeout`: docs/training.md, "Ranks (DDP, FSDP)")."""
 
     def __init__(self, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  scheduler: Any = None, scaler: Any = None, sampler: Any = None,
@@ -91,12 +96,16 @@ class Checkpointer:
                  every_seconds: float | None = None,
                  store: CheckpointSink | str | os.PathLike[str] | None = None,
                  task_id: str | None = None, keep_full_every: int = 10,
-                 delta_base: DeltaBase = "memory", skip_unchanged: bool = True,
-                 persist_priority: Priority = "idle", persist_threads: int | None = None,
+                 delta_base: DeltaBase = "off", compress: Compress = "auto",
+                 skip_unchanged: bool = True, persist_priority: Priority = "idle",
+                 persist_threads: int | None = None, persist_cpu_share: float = 0.25,
                  durable_within: float | None = 30.0,
                  signal: str | int | bool = True,
                  stop_signal: str | int | bool = True,
-                 environ: Mapping[str, str] | None = None) -> None:
+                 environ: Mapping[str, str] | None = None, sharded: bool = False,
+                 rank_timeout: float = 1800.0) -> None:
+        _check_settings(delta_base=delta_base, compress=compress,
+                        persist_cpu_share=persist_cpu_share, persist_threads=persist_threads)
         env = os.environ if environ is None else environ
         config = load_config(environ=env).config
         self.sources = Sources(model, optimizer, scheduler, scaler, sampler, extras)
@@ -125,9 +134,17 @@ class Checkpointer:
             attempt=self.attempt, compression_level=config.checkpoint.compression_level,
             diff_threshold=config.checkpoint.diff_threshold, delta_base=delta_base,
             nice=persist_priority, threads=persist_threads or default_persist_threads(),
-            durable_within=durable_within)
+            cpu_share=persist_cpu_share, compress=compress, durable_within=durable_within)
         self._copier = Copier(self.buffers, self._persister.submit,
                               side_streams=config.performance.gpu_streams > 1)
+        # Ranks (docs/training.md, "Ranks"): made in the same order on every rank.
+        self.sharded = sharded
+        self._gang = Gang.of_torch(sharded=sharded, timeout=rank_timeout)
+        if self._gang is not None:
+            self._persister.prefix = self._gang.prefix
+            self._persister.commit = self._gang.committer(self.store)
+        self._vote_at, self._pending = 0, False  # when the ranks vote next (alike on all)
+        self._voted = (0, time.monotonic())  # (step, time) of the last vote here
         self._hook = optimizer.register_step_pre_hook(self._before_step)
         self._prepared = False
         self._prepare_hook: Any = optimizer.register_step_post_hook(self._after_first_step)
@@ -150,13 +167,17 @@ class Checkpointer:
         scaler.update() and cursor.advance()). Starts a checkpoint when one is due;
         returns whether it did."""
         started = time.perf_counter()
-        if self._stopping is not None:
+        if self._stopping is not None and self._gang is None:
             self._stop_now(cursor)
         with self._lock:
             requests = tuple(self._requests) + ((self._signalled,) if self._signalled else ())
-        decision = decide(self.policy, step=cursor.step, now=time.monotonic(),
-                          last_step=self._last_step, last_time=self._last_time,
-                          requests=requests, busy=self._inflight is not None)
+        urgent = bool(requests)
+        if self._gang is not None:
+            decision, urgent = self._agree(self._gang, cursor, requests)
+        else:
+            decision = decide(self.policy, step=cursor.step, now=time.monotonic(),
+                              last_step=self._last_step, last_time=self._last_time,
+                              requests=requests, busy=self._inflight is not None)
         if not decision.save:
             if decision.reason:
                 self.counters.deferred += 1
@@ -164,12 +185,38 @@ class Checkpointer:
         with self._lock:
             self._requests.clear()
             self._signalled = None
-        self._start(cursor, decision.reason, started, urgent=bool(requests))
+        self._start(cursor, decision.reason, started, urgent=urgent)
         return True
+
+    def _agree(self, gang: Gang, cursor: Cursor, requests: tuple[str, ...]
+               ) -> tuple[Decision, bool]:
+        """What every rank does at this step, and whether it is urgent: they vote when a
+        step trigger is due, while a due save waits, and about every
+        `_ranks.AGREE_EVERY_S` (`_ranks.settle`)."""
+        step, now = cursor.step, time.monotonic()
+        if not must_agree(step, next_step=self._vote_at, pending=self._pending,
+                          step_due=step_due(self.policy.every_steps, step, self._last_step)):
+            return Decision(False, ""), False
+        reason = decide(self.policy, step=step, now=now, last_step=self._last_step,
+                        last_time=self._last_time, requests=requests, busy=False).reason
+        voted_step, voted_time = self._voted
+        step_us = int((now - voted_time) * 1e6 / (step - voted_step)) if step > voted_step \
+            else 0
+        due = 2 if requests else int(bool(reason))
+        agreed = settle(gang.vote(Vote(due=due, busy=self._inflight is not None,
+                                       stop=self._stopping or 0, step=step, low_step=step,
+                                       step_us=step_us)), reason=reason, step=step)
+        if agreed.error:
+            raise CheckpointError(agreed.error)
+        self._vote_at, self._pending, self._voted = agreed.next_step, agreed.pending, (step, now)
+        if agreed.stop:
+            self._stop_now(cursor, agreed.stop)
+        return agreed.decision, agreed.urgent
 
     def save(self, cursor: Cursor, reason: str = "save()", *, wait: bool = False) -> None:
         """Checkpoint now (after the one in flight, if any); `wait`: until durable (and
-        encoded at normal priority, as a requested checkpoint is)."""
+        encoded at normal priority, as a requested checkpoint is). With ranks, every rank
+        calls it at the same step."""
         started = time.perf_counter()
         self._idle.wait()
         self._start(cursor, reason, started, urgent=wait)
@@ -250,8 +297,13 @@ class Checkpointer:
         snapshot = Snapshot(reason=reason, step=cursor.step, epoch=cursor.epoch,
                             cursor=cursor.state_dict(), created_at=time.time(),
                             started=started, kind=kind, urgent=urgent)
+        gang = self._gang
         capture = Capture(snapshot, self.buffers, self._layout, pack_below=PACK_BELOW,
-                          skip_unchanged=self.skip_unchanged)
+                          skip_unchanged=self.skip_unchanged,
+                          names=gang.name if gang else None,
+                          shared=gang.saves_shared if gang else True,
+                          model_now=gang is not None and gang.sharded,
+                          versions_tell=gang is None or not gang.sharded)
         try:
             capture.capture_now(self.sources, cursor.state_dict())
         except TypeError as exc:
@@ -278,27 +330,44 @@ class Checkpointer:
         background, long before the first checkpoint needs them."""
         if not self._prepared:  # (a hook cannot remove itself while hooks run)
             self._prepared = True
-            self._persister.later(self._prepare_buffers)
+            self._prepare_later()
 
-    def _prepare_buffers(self) -> None:
-        """On the persister thread: allocate and touch every buffer a snapshot will copy
-        into (both slots for tensors that change, one for frozen parameters)."""
-        both = (0, 1) if self.buffers.slots == 2 else (0,)
-        for key, tensor in self.sources.model.state_dict(keep_vars=True).items():
-            if f"model/{key}" in self._layout.params:
-                self.buffers.prepare(f"model/{key}", tensor.numel() * tensor.element_size(),
-                                     pin=tensor.is_cuda,
-                                     slots=both if tensor.requires_grad else (0,))
+    def _prepare_later(self) -> None:
+        if self._gang is None:
+            self._persister.later(self._prepare_buffers)
+        elif self._gang.saves_shared:  # (a DDP rank other than 0 copies no parameters)
+            # Walked on this thread: an FSDP model's state_dict() reshards its parameters.
+            plan = self._buffer_plan()
+            self._persister.later(lambda: self._prepare_buffers(plan))
+
+    def _buffer_plan(self) -> BufferPlan:
+        """(entry name, tensor, slots) of every buffer a snapshot will copy into: both
+        slots for tensors that change, one for frozen parameters."""
+        both: tuple[int, ...] = (0, 1) if self.buffers.slots == 2 else (0,)
+        name = self._gang.name if self._gang else str
+        plan: BufferPlan = [
+            (name(f"model/{key}"), local_tensor(tensor), both if tensor.requires_grad else (0,))
+            for key, tensor in self.sources.model.state_dict(keep_vars=True).items()
+            if f"model/{key}" in self._layout.params]
         for index, state in self.sources.optimizer.state_dict()["state"].items():
-            for key, value in state.items():
-                if isinstance(value, torch.Tensor):
-                    self.buffers.prepare(f"optimizer/state/{index}/{key}",
-                                         value.numel() * value.element_size(),
-                                         pin=value.is_cuda, slots=both)
+            plan.extend((name(f"optimizer/state/{index}/{key}"), local_tensor(value), both)
+                        for key, value in state.items() if isinstance(value, torch.Tensor))
+        return plan
+
+    def _prepare_buffers(self, plan: BufferPlan | None = None) -> None:
+        """On the persister thread: allocate and touch every buffer a snapshot will copy
+        into (the plan made now, unless given)."""
+        for name, tensor, slots in plan if plan is not None else self._buffer_plan():
+            self.buffers.prepare(name, tensor.numel() * tensor.element_size(),
+                                 pin=tensor.is_cuda, slots=slots)
 
     def _persisted(self, snapshot: Snapshot, manifest: Manifest | None,
                    error: BaseException | None) -> None:
         """On the persister thread, when a checkpoint is committed or has failed."""
+        if self._gang is not None:
+            if error is not None and not self._gang.joined:
+                self._gang.fail(self.store, error)  # the other ranks' parts fail with it
+            self._gang.joined = False
         report: SaveReport = snapshot.report
         report.durable_s = time.perf_counter() - snapshot.started
         if error is not None or manifest is None:
@@ -312,7 +381,7 @@ class Checkpointer:
         else:
             self.counters.committed += 1
             self._force_full = False
-            self.buffers.committed(snapshot.refs)
+            self.buffers.committed(snapshot.refs, full=manifest.full)
             self.buffers.prune({r.name for r in snapshot.refs if r.signature is not None})
             self._persister.previous = manifest
             report.size_bytes, report.new_bytes = manifest.size_bytes, manifest.new_bytes
@@ -332,58 +401,100 @@ class Checkpointer:
         found = self._read_latest_good()
         if found is None:
             return None
-        manifest, skeleton, tensors = found
+        manifest, shared, own = found
         try:
-            cursor = self._apply(skeleton, tensors)
-        except (KeyError, ValueError, RuntimeError) as exc:
+            cursor: Cursor | None = self._apply(shared, own)
+            failure: Exception | None = None
+        except (KeyError, ValueError, RuntimeError, RestoreError) as exc:
+            cursor, failure = None, exc
+        if self._gang is not None and self._gang.worst(int(cursor is None)) and failure is None:
+            failure = RestoreError("it did not fit another rank's program")
+        if cursor is None or failure is not None:
             raise RestoreError(f"checkpoint {manifest.checkpoint_id} ({manifest.name}) does "
-                               f"not fit this program: {exc}") from exc
+                               f"not fit this program: {failure}") from failure
         self._persister.previous = manifest
+        self._force_full = True  # the host buffers hold no base for deltas yet
         self._last_step, self._last_time = cursor.step, time.monotonic()
         self._prepared = True
-        self._persister.later(self._prepare_buffers)
+        self._prepare_later()
+        self._vote_at, self._pending = cursor.step, False
+        self._voted = (cursor.step, time.monotonic())
         log.info("checkpoint_restored", task_id=self.task_id, checkpoint=manifest.checkpoint_id,
                  step=cursor.step, epoch=cursor.epoch)
         return cursor
 
-    def _read_latest_good(self) -> tuple[Manifest, dict[str, Any], list[torch.Tensor]] | None:
+    def _read_latest_good(self) -> tuple[Manifest, Restored, Restored] | None:
         """The newest checkpoint of this task written by m27.train that reads back intact:
         a damaged one (a chunk that no longer matches its hash) is reported and the one
-        before it is tried; the node-agent's uploads of a program's own files are skipped."""
-        latest = self.store.latest(self.task_id)
-        if latest is None:
-            return None
-        candidates = [latest] if is_train_checkpoint(latest) else []
-        tried: set[str] = set()
+        before it is tried; the node-agent's uploads of a program's own files are skipped.
+        With ranks, rank 0 chooses, every rank reads its part, and all of them go back to
+        the previous checkpoint when any rank finds its part damaged."""
+        gang = self._gang
+        candidates = self._candidates() if gang is None or gang.rank == 0 else iter(())
+        tried = 0
         while True:
-            if not candidates:
-                candidates = [m for m in reversed(self.store.list(self.task_id))
-                              if is_train_checkpoint(m) and m.checkpoint_id not in tried]
-                if not candidates:
-                    if tried:
-                        raise RestoreError(f"every checkpoint of {self.task_id} is damaged "
-                                           f"({len(tried)} tried)")
-                    return None
-            manifest = candidates.pop(0)
-            tried.add(manifest.checkpoint_id)
+            manifest = next(candidates, None)
+            if gang is not None:
+                manifest = gang.share(manifest)
+            if manifest is None:
+                if tried:
+                    raise RestoreError(f"every checkpoint of {self.task_id} is damaged "
+                                       f"({tried} tried)")
+                return None
+            tried += 1
+            problem = layout_problem(manifest, gang.world if gang else 1, self.sharded)
+            if problem:
+                raise RestoreError(problem)
+            error: Exception | None = None
             try:
-                skeleton, tensors = read_checkpoint(self.store, manifest)
-            except CorruptChunk as exc:
+                shared, own = self._read_parts(manifest)
+            except Exception as exc:  # (ranks: reported to the others before it is raised)
+                error = exc
+            status = 2 if error is not None and not isinstance(error, CorruptChunk) else \
+                int(error is not None)
+            worst = gang.worst(status) if gang is not None else status
+            if worst == 2:
+                raise error if error is not None else RestoreError(
+                    f"checkpoint {manifest.checkpoint_id}: another rank could not read it")
+            if worst == 1:
                 log.warning("checkpoint_corrupt", task_id=self.task_id,
                             checkpoint=manifest.checkpoint_id, step=manifest.step,
-                            error=str(exc), action="trying the previous checkpoint")
+                            error=str(error or "damaged on another rank"),
+                            action="trying the previous checkpoint")
                 self.counters.corrupt += 1
                 continue
-            return manifest, skeleton, tensors
+            return manifest, shared, own
 
-    def _apply(self, skeleton: dict[str, Any], tensors: list[torch.Tensor]) -> Cursor:
+    def _candidates(self) -> Iterator[Manifest]:
+        """This task's checkpoints written by m27.train, the latest first."""
+        latest = self.store.latest(self.task_id)
+        if latest is None:
+            return
+        if is_train_checkpoint(latest):
+            yield latest
+        yield from (m for m in reversed(self.store.list(self.task_id))
+                    if is_train_checkpoint(m) and m.checkpoint_id != latest.checkpoint_id)
+
+    def _read_parts(self, manifest: Manifest) -> tuple[Restored, Restored]:
+        """(where the model/optimizer/scheduler/scaler come from, this rank's own state)."""
+        if self._gang is None:
+            whole = read_checkpoint(self.store, manifest)
+            return whole, whole
+        return read_parts(self.store, manifest, self._gang)
+
+    def _apply(self, shared: Restored, own: Restored) -> Cursor:
         sources = self.sources
+        rebuilt = sharded_again(shared, sources.model, sources.optimizer) if self._gang \
+            else shared
+        own = rebuilt if own is shared else own
+        skeleton, tensors = rebuilt
         sources.model.load_state_dict(_state.decode(skeleton["model"], tensors))
         sources.optimizer.load_state_dict(_state.decode(skeleton["optimizer"], tensors))
         if sources.scheduler is not None and skeleton["scheduler"] is not None:
             sources.scheduler.load_state_dict(_state.decode(skeleton["scheduler"], tensors))
         if sources.scaler is not None and skeleton["scaler"] is not None:
             _restore_scaler(sources.scaler, skeleton["scaler"], tensors)
+        skeleton, tensors = own
         if sources.sampler is not None and skeleton["sampler"] is not None:
             sources.sampler.load_state_dict(_state.decode(skeleton["sampler"], tensors))
         self._restore_extras(skeleton["extras"], tensors)
@@ -452,13 +563,15 @@ class Checkpointer:
         self._stopping = number
         self.counters.requests += 1
 
-    def _stop_now(self, cursor: Cursor) -> NoReturn:
-        """Serve a stop signal: a checkpoint of this step, durable, then exit 128+N."""
-        number = self._stopping
+    def _stop_now(self, cursor: Cursor, number: int | None = None) -> NoReturn:
+        """Serve a stop signal (`number`: the one another rank received): a checkpoint of
+        this step, durable, then exit 128+N."""
+        number = number or self._stopping
         assert number is not None
         name = signals.Signals(number).name
         log.info("checkpoint_then_stop", task_id=self.task_id, step=cursor.step, signal=name)
         try:
+            self._idle.wait()  # (ranks: then every rank has the same latest checkpoint)
             if self._persister.previous is None or self._persister.previous.step != cursor.step:
                 self.save(cursor, f"signal {name} (stopping)", wait=True)
             else:
@@ -468,10 +581,24 @@ class Checkpointer:
         raise SystemExit(128 + number)
 
 
+def _check_settings(*, delta_base: str, compress: str, persist_cpu_share: float,
+                    persist_threads: int | None) -> None:
+    """A clear error for a setting out of range, before any thread starts."""
+    if delta_base not in ("memory", "store", "off"):
+        raise CheckpointError(f"delta_base must be 'memory', 'store' or 'off', not {delta_base!r}")
+    if compress not in ("auto", "always", "never"):
+        raise CheckpointError(f"compress must be 'auto', 'always' or 'never', not {compress!r}")
+    if not 0.0 <= persist_cpu_share <= 1.0:
+        raise CheckpointError("persist_cpu_share is a share of the machine's cores, from 0 "
+                              f"to 1, not {persist_cpu_share!r}")
+    if persist_threads is not None and not 1 <= persist_threads <= 64:
+        raise CheckpointError(f"persist_threads must be 1 to 64, not {persist_threads!r}")
+
+
 def default_persist_threads() -> int:
-    """One encoder per four cores, at most four: a GPU job leaves the host CPUs mostly idle,
-    a CPU job (like this library's tests) needs its cores for training."""
-    return max(1, min(4, (os.cpu_count() or 1) // 4))
+    """Idle-priority encoders: one per core, at most four. They take only CPU nothing else
+    wants (a GPU job leaves the host's cores mostly idle), so more cost training nothing."""
+    return max(1, min(4, usable_cores()))
 
 
 def _signal_number(value: str | int | bool) -> int:
