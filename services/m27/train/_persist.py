@@ -130,7 +130,7 @@ class Persister:
         self._no_delta: set[str] = set()  # deltas did not pay since the last full one
         self.durable_within = durable_within
         self._local = threading.local()
-        self._crew = Crew(max(0, threads - 1), cpu_share, usable_cores(),
+        self._crew = Crew(threads, cpu_share, usable_cores(),
                           self._lower_priority)
         self._queue: queue.Queue[Snapshot | Callable[[], None] | None] = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="m27-ckpt-persist",
@@ -141,7 +141,7 @@ class Persister:
         self._queue.put(snapshot)
 
     def later(self, job: Callable[[], None]) -> None:
-        """Run `job` on this (low-priority) thread, e.g. preparing buffers."""
+        """Run `job` on the persister's thread, between snapshots (e.g. preparing buffers)."""
         self._queue.put(job)
 
     def close(self) -> None:
@@ -166,7 +166,8 @@ class Persister:
         return found
 
     def _run(self) -> None:
-        self._lower_priority()
+        # Normal priority: this thread only hands chunks to the crew and commits. At idle
+        # priority it would starve on a CPU-bound job and hold back the paced workers.
         while (snapshot := self._queue.get()) is not None:
             if not isinstance(snapshot, Snapshot):
                 with contextlib.suppress(Exception):

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from m27.common.checkpoint_format import chain_depth
 from m27.common.checkpoint_storage import LocalStore
 from m27.train import Checkpointer, CheckpointError, Cursor
-from m27.train._crew import WorkList, paced_workers, pause_after
+from m27.train._crew import Crew, WorkList, paced_workers, rest_before_next
 from m27.train._policy import compression_pays
 
 
@@ -138,30 +138,81 @@ def test_compression_pays_exactly_when_it_makes_the_chunk_durable_sooner(
 
 
 @given(share=st.floats(0.01, 1.0), cores=st.integers(1, 256))
-def test_paced_workers_use_the_share_they_are_given(share: float, cores: int) -> None:
-    threads, duty = paced_workers(share, cores)
-    assert threads >= 1
-    assert 0 < duty <= 1
-    assert threads * duty == pytest.approx(share * cores)
-    assert pause_after(1.0, duty) * duty == pytest.approx(1.0 - duty, abs=1e-9)
+def test_paced_workers_can_use_the_share_they_are_given(share: float, cores: int) -> None:
+    threads, share_cores = paced_workers(share, cores)
+    assert share_cores == pytest.approx(share * cores)
+    assert threads >= max(1.0, share_cores) - 1e-9  # enough threads to use it
+    assert threads < share_cores + 1
     assert paced_workers(0.0, cores) == (0, 0.0)
 
 
-def test_a_paced_thread_is_busy_at_most_its_duty() -> None:
+@given(share_cores=st.floats(0.05, 8.0),
+       chunks=st.lists(st.tuples(st.floats(1e-4, 0.05), st.floats(0.0, 0.2)), max_size=60))
+def test_paced_cpu_time_stays_within_the_share(share_cores: float,
+                                               chunks: list[tuple[float, float]]) -> None:
+    """One paced worker, simulated: chunks of given CPU time, each perhaps also waiting for
+    the disk. Whenever it may start a chunk, the CPU time spent so far is within the share
+    of the time elapsed; so it never exceeds the share by more than one chunk."""
+    clock = cpu = 0.0
+    for chunk_cpu, chunk_wait in chunks:
+        rest = rest_before_next(share_cores, clock, cpu)
+        assert rest >= 0
+        clock += rest
+        assert cpu <= share_cores * clock + 1e-9
+        assert rest == 0 or rest_before_next(share_cores, clock, cpu) < 1e-9  # not longer
+        clock += chunk_cpu + chunk_wait
+        cpu += chunk_cpu
+    assert cpu <= share_cores * clock + max((c for c, _ in chunks), default=0) + 1e-9
+
+
+def burn(seconds: float) -> None:
+    """Use `seconds` of this thread's CPU time."""
+    until = time.thread_time() + seconds
+    while time.thread_time() < until:
+        pass
+
+
+def test_a_paced_thread_uses_at_most_its_share_of_a_core() -> None:
     busy = 0.02
-    work = WorkList(list(range(5)), lambda _: time.sleep(busy))
+    work = WorkList(list(range(5)), lambda _: burn(busy))
     started = time.perf_counter()
-    thread = threading.Thread(target=work.work, kwargs={"duty": 0.25})
+    thread = threading.Thread(target=work.work, kwargs={"share_cores": 0.25})
     thread.start()
     thread.join()
     elapsed = time.perf_counter() - started
     assert work.paced_items == 5
-    assert elapsed >= 5 * busy / 0.25 * 0.9  # resting three times as long as it worked
+    assert elapsed >= 4 * busy / 0.25 * 0.9  # resting three times as long as it worked
+
+
+def test_a_paced_thread_stands_back_while_the_idle_threads_keep_up() -> None:
+    """On a GPU job idle-priority workers get the CPU they need: their CPU time counts
+    against the budget, so the normal-priority workers (which could delay training)
+    take next to nothing."""
+    work = WorkList(list(range(40)), lambda _: burn(0.005))
+    paced = threading.Thread(target=work.work, kwargs={"share_cores": 0.25})
+    unpaced = threading.Thread(target=work.work)  # as an idle worker that gets its CPU
+    unpaced.start()
+    paced.start()
+    unpaced.join()
+    paced.join()
+    assert work.paced_items <= 2
+    assert work.cpu_s >= 40 * 0.005 * 0.9
+
+
+def test_waiting_for_the_disk_is_not_paced() -> None:
+    """Pacing counts CPU time: a chunk that waits (an fsync, a slow store) costs training
+    nothing, so the thread does not rest for it."""
+    work = WorkList(list(range(5)), lambda _: time.sleep(0.05))
+    started = time.perf_counter()
+    thread = threading.Thread(target=work.work, kwargs={"share_cores": 0.05})
+    thread.start()
+    thread.join()
+    assert time.perf_counter() - started < 5 * 0.05 / 0.05 / 4  # far less than wall pacing
 
 
 def test_unpacing_wakes_a_resting_thread_at_once() -> None:
-    work = WorkList(list(range(3)), lambda _: time.sleep(0.05))
-    thread = threading.Thread(target=work.work, kwargs={"duty": 0.001})  # rests ~50 s
+    work = WorkList(list(range(3)), lambda _: burn(0.05))
+    thread = threading.Thread(target=work.work, kwargs={"share_cores": 0.001})  # rests ~50 s
     thread.start()
     time.sleep(0.1)
     started = time.perf_counter()
@@ -169,3 +220,27 @@ def test_unpacing_wakes_a_resting_thread_at_once() -> None:
     thread.join(10)
     assert not thread.is_alive()
     assert time.perf_counter() - started < 5
+
+
+@pytest.mark.parametrize("unpace_after", [None, 0.0])
+def test_the_calling_thread_takes_chunks_only_when_pacing_is_off(
+        unpace_after: float | None) -> None:
+    """The persister's own thread runs at normal priority: were it to take chunks while
+    the crew is paced, the share would not hold."""
+    crew = Crew(idle_workers=0, cpu_share=0.5, cores=1, lower_priority=lambda: None)
+    try:
+        def chunk(_: int) -> str:
+            burn(0.01)
+            return threading.current_thread().name
+
+        work = WorkList(list(range(30)), chunk)
+        names = crew.run(work, unpace_after)
+    finally:
+        crew.close()
+    assert len(names) == 30
+    callers = [n for n in names if n == threading.current_thread().name]
+    if unpace_after is None:
+        assert callers == []
+        assert all(n.startswith("m27-ckpt-paced-") for n in names)
+    else:  # urgent: every thread helps, this one included
+        assert callers
