@@ -23,7 +23,7 @@ from m27.client import Client, ClientError
 from m27.common import api_auth
 from m27.common.api_auth import ApiAccess
 from m27.common.bus import NatsBus, connect, topology_names
-from m27.common.config import NatsSection
+from m27.common.config import NatsSection, SupervisorSection
 from m27.common.model import RunRecord
 from m27.common.principals import principal
 from m27.embedded import system
@@ -40,6 +40,9 @@ PIPELINE: Final = f"""pipeline:
   - {{name: eval, depends_on: [train], command: '{MARKED.format(sleep=0.3)}'}}
 """
 PROBE_STREAM: Final = "M27_TEST_PROBE"
+#: A killed server stays down until `Clustered.revive` (`m27 up`) has it started: the
+#: runs meanwhile go on over two servers, as the test and the bench mean them to.
+BY_HAND = SupervisorSection(restart_backoff=600.0, restart_backoff_max=600.0)
 #: Leases: renewed every second (a failed renewal is tried again a second later), so a
 #: NATS election of a few seconds stays well inside the default 10 s self-fencing.
 ENV: Final = {"M27_NODE_HEARTBEAT_INTERVAL": "1s"}
@@ -79,7 +82,8 @@ class Clustered:
         return killed_at
 
     def revive(self) -> None:
-        """`m27 up` again, as a user would: it starts the dead server, which rejoins."""
+        """`m27 up` again, as a user would: it has the supervisor start the dead server
+        now, which rejoins (the state then has its new pid)."""
         self.state, started = system.up(self.home, nats_cluster=3)
         assert not started
 
@@ -102,7 +106,7 @@ def clustered(root: Path, *, nodes: int = 2, env: Mapping[str, str] = ENV,
     os.environ.update({"M27_HOME": str(home), "M27_CONFIG": str(config), **env})
     try:
         state, _ = system.up(home, nodes=nodes, gpus="sim:1", nats_cluster=3,
-                             log_level=log_level)
+                             log_level=log_level, policy=BY_HAND)
         try:
             yield Clustered(root, state)
         finally:

@@ -423,6 +423,15 @@ def test_every_m27_variable_of_the_manifests_is_one_m27_reads(
             assert not unknown, f"{workload['metadata']['name']}: {sorted(unknown)}"
 
 
+def test_every_workload_restarts_what_exits(manifests: list[Manifest]) -> None:
+    """As `m27 up`'s supervisor does (docs/reliability.md, "A process dies"): a pod's
+    containers are restarted with backoff, CrashLoopBackOff when they keep exiting."""
+    for workload in workloads(manifests):
+        policy = workload["spec"]["template"]["spec"].get("restartPolicy", "Always")
+        expected = "OnFailure" if workload["kind"] == "Job" else "Always"
+        assert policy == expected, workload["metadata"]["name"]
+
+
 # ---------------------------------------------------------------- compose
 
 
@@ -447,6 +456,14 @@ def test_compose_runs_every_service_with_a_health_check(compose: Manifest) -> No
         assert service["network_mode"] == "host", name
     assert services["telegram"]["profiles"] == ["telegram"]
     assert "healthcheck" in services["nats"]
+
+
+def test_compose_restarts_every_container_but_the_one_shot_setup_until_stopped(
+        compose: Manifest) -> None:
+    """As `m27 up`'s supervisor does (docs/reliability.md, "A process dies")."""
+    for name, service in compose["services"].items():
+        expected = "on-failure" if name == "bus-setup" else "unless-stopped"
+        assert service.get("restart") == expected, name
 
 
 def test_compose_gives_the_node_agent_the_gpus_or_simulated_ones(compose: Manifest) -> None:

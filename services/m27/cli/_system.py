@@ -23,6 +23,7 @@ from m27.common.config import NatsSection
 from m27.common.errors import M27Error
 from m27.common.principals import principal
 from m27.embedded import system
+from m27.embedded.restarts import duration
 from m27.telegram import configured as bot_configured
 
 REPORT_WAIT_S: Final = 20.0
@@ -30,7 +31,8 @@ REPORT_WAIT_S: Final = 20.0
 
 def add_commands(sub: Subparsers) -> None:
     up = add(sub, "up", "start nats-server and every service on this machine, in the "
-             "background, and return once all are ready", cmd_up)
+             "background under a supervisor that restarts what exits, and return once all "
+             "are ready (again: start what is down, or nothing)", cmd_up)
     up.add_argument("--nodes", type=int, default=1,
                     help="node-agents to start (several let you try failover on one machine)")
     up.add_argument("--gpus", metavar="SPEC",
@@ -39,11 +41,12 @@ def add_commands(sub: Subparsers) -> None:
     up.add_argument("--nats-cluster", type=int, default=1, metavar="N",
                     help="run NATS as a JetStream cluster of N servers on this machine (3 "
                     "or 5; streams and buckets get 3 replicas, the services spread over the "
-                    "servers and fail over when one dies; `m27 up` again starts a dead one). "
+                    "servers and fail over when one dies, which is started again). "
                     "Its store is $M27_HOME/nats-cluster, apart from the one server's "
                     "(default: 1, one server)")
     add(sub, "down", "stop every process `m27 up` started (runs are kept)", cmd_down)
-    status = add(sub, "status", "show what runs on this machine", cmd_status)
+    status = add(sub, "status", "show what runs on this machine: each process, its "
+                 "restarts and last exit, and what crash-loops", cmd_status)
     status.add_argument("--json", action="store_true", help="machine-readable output")
     board = add(sub, "dashboard", "print the live dashboard's address as a link that signs "
                 "you in with your API token (keep it to yourself: it carries the token)",
@@ -69,14 +72,13 @@ def cmd_up(args: argparse.Namespace) -> int:
     print(f"starting m27 under {home} …", file=sys.stderr, flush=True)
     cfg = config(args)
     before = system.read_state(home)
-    dead = {row.name for row in system.statuses(before) if not row.alive} if before else set()
+    down = {row.name for row in system.statuses(before)
+            if not (row.alive and row.state == "running")} if before else set()
     state, started = system.up(home, nodes=args.nodes, gpus=args.gpus, config=cfg.nats,
                                telegram=bot_configured(cfg.telegram),
-                               nats_cluster=args.nats_cluster)
-    if not started and (revived := sorted(n.name for n in state.nats_servers
-                                          if n.name in dead)):
-        print(f"started {', '.join(revived)} again: it rejoins the NATS cluster and "
-              "catches up from the others")
+                               nats_cluster=args.nats_cluster, policy=cfg.supervisor)
+    if not started and down:
+        print(revived_note(sorted(down)))
     elif not started and len(state.nats_servers or [0]) != args.nats_cluster:
         print(f"m27: already running with {len(state.nats_servers or [0])} NATS server(s); "
               "`m27 down` first to change --nats-cluster", file=sys.stderr)
@@ -85,6 +87,14 @@ def cmd_up(args: argparse.Namespace) -> int:
               f"{system.credentials_dir(home)}): each may now join with `m27 agent`")
     print_up(state, started)
     return 0
+
+
+def revived_note(names: list[str]) -> str:
+    """What `m27 up` says when the supervisor started what was down again at its asking."""
+    note = f"started {', '.join(names)} again"
+    if any(name.startswith("nats-server-") for name in names):
+        note += ": a NATS server rejoins the cluster and catches up from the others"
+    return note
 
 
 def print_up(state: system.EmbeddedState, started: bool) -> None:
@@ -145,9 +155,16 @@ def cmd_status(args: argparse.Namespace) -> int:
           + (" (simulated)" if state.simulated_gpus else ""))
     if url := system.dashboard_url(state):
         print(f"  dashboard {url}")
-    for row in system.statuses(state):
-        mark = "up  " if row.alive else "DOWN"
-        print(f"  {mark} {row.name:<18} pid {row.pid:<8} {row.grpc_address or row.nats_url}")
+    rows = system.statuses(state)
+    now = time.time()
+    for row in rows:
+        print(status_line(row, now))
+    if not system.supervised(state):
+        print(f"  the supervisor (pid {state.supervisor_pid}) is not running: nothing "
+              "restarts what exits; `m27 up` starts everything afresh")
+    elif any(row.crash_looping for row in rows):
+        print("  `m27 up` starts what the supervisor gave up on again (see why it exits in "
+              "its log first)")
     if dead:
         print(f"  {dead} dead letter(s): messages a service rejected or kept failing on, kept "
               f"with the reason in stream {subjects.DEAD_STREAM} ({subjects.DEAD_ALL}); the "
@@ -157,6 +174,31 @@ def cmd_status(args: argparse.Namespace) -> int:
     for node_id, held in sorted(maintenance_states(args).items()):
         print(f"  node {node_id} is {held} (`m27 node uncordon {node_id}` returns it)")
     return 0 if system.is_up(state) else 1
+
+
+def status_line(row: system.ProcessStatus, now: float) -> str:
+    """One process of `m27 status`: up or DOWN, where, and how its supervision went."""
+    mark = "up  " if row.alive else "DOWN"
+    line = f"  {mark} {row.name:<18} pid {row.pid:<8} {row.grpc_address or row.nats_url}"
+    note = supervision_note(row, now)
+    return f"{line}  {note}" if note else line
+
+
+def supervision_note(row: system.ProcessStatus, now: float) -> str:
+    """`restarts 2, last exit: SIGKILL at 14:02:11`, led by what is happening to it unless
+    it just runs; a crash-looping one says so in capitals, with its log."""
+    when = time.strftime("%H:%M:%S", time.localtime(row.last_exit_at))
+    last = f"last exit: {row.last_exit} at {when}" if row.last_exit else ""
+    if row.crash_looping:
+        return f"CRASH-LOOPING: {row.reason}; {last}; its log {row.log_path}"
+    history = ", ".join(part for part in (f"restarts {row.restarts}" if row.restarts else "",
+                                          last) if part)
+    lead = {"restarting": f"restarting in {duration(max(0.0, row.restart_at - now))}",
+            "starting": "starting again", "stopped": "stopped",
+            "dead": "dead, and nothing restarts it"}.get(row.state, "")
+    if lead and history:
+        return f"{lead} ({history})"
+    return lead or history
 
 
 def dead_letters(state: system.EmbeddedState, settings: NatsSection) -> int | None:
@@ -182,7 +224,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     home = args.home
     cfg = config(args)
-    state, started = system.up(home, config=cfg.nats, telegram=bot_configured(cfg.telegram))
+    state, started = system.up(home, config=cfg.nats, telegram=bot_configured(cfg.telegram),
+                               policy=cfg.supervisor)
     print_up(state, started)
     workdir = home / "demo" / time.strftime("%Y%m%d-%H%M%S")
     workdir.mkdir(parents=True, exist_ok=True)

@@ -210,6 +210,19 @@ class TelegramSection(msgspec.Struct, frozen=True, kw_only=True):
     webhook_secret_file: str = ""
 
 
+class SupervisorSection(msgspec.Struct, frozen=True, kw_only=True):
+    """How `m27 up`'s supervisor restarts a process that exits (docs/reliability.md,
+    "A process dies"; the policy is `m27.embedded.restarts`)."""
+
+    restart_backoff: Duration = 1.0  # the first restart after an exit waits this long,
+    restart_backoff_max: Duration = 30.0  # each next one in a row twice that, at most this
+    stable_after: Duration = 60.0  # up this long: the next exit starts over at restart_backoff
+    # This many exits within give_up_window: no more restarts, `m27 status` says it is
+    # crash-looping (0: restart for ever).
+    give_up_after: Annotated[int, msgspec.Meta(ge=0, le=1000)] = 5
+    give_up_window: Duration = 600.0
+
+
 class Config(msgspec.Struct, frozen=True, kw_only=True):
     nats: NatsSection = NatsSection()
     node: NodeSection = NodeSection()
@@ -221,6 +234,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
     client: ClientSection = ClientSection()
     notify: NotifySection = NotifySection()
     telegram: TelegramSection = TelegramSection()
+    supervisor: SupervisorSection = SupervisorSection()
 
 
 class LoadedConfig(msgspec.Struct, frozen=True, kw_only=True):

@@ -120,10 +120,7 @@ class NatsServer:
         self.ports_dir.mkdir(parents=True, exist_ok=True)
         for stale in self.ports_dir.glob("*.ports"):
             stale.unlink()
-        self.config_path.write_text(render_config(
-            store_dir=self.store_dir, ports_dir=self.ports_dir, host=self.host,
-            port=self.port, server_name=self.server_name, authorization=self.authorization,
-            tls=self.tls, cluster=self.cluster))
+        self.config_path.write_text(self._config())
         self.process = spawn(self.config_path, self.log_path, detached=detached)
         self.pid = self.process.pid
         try:
@@ -132,6 +129,20 @@ class NatsServer:
             self.stop()
             raise
         return self.url
+
+    def pin_port(self) -> None:
+        """Write its config again with the client port it got (started on a free one), so
+        that started again on that config it comes back on the same URL."""
+        if self.url is None:
+            raise M27Error("pin_port: the server has not started")
+        self.port = int(self.url.rsplit(":", 1)[1])
+        self.config_path.write_text(self._config())
+
+    def _config(self) -> str:
+        return render_config(
+            store_dir=self.store_dir, ports_dir=self.ports_dir, host=self.host,
+            port=self.port, server_name=self.server_name, authorization=self.authorization,
+            tls=self.tls, cluster=self.cluster)
 
     def stop(self, timeout: float = 10.0) -> None:
         """SIGTERM, then SIGKILL after `timeout`."""

@@ -38,6 +38,14 @@ class ServiceProcess(msgspec.Struct, kw_only=True):
 def launch(name: str, module: str, args: Sequence[str], *, log_dir: Path,
            detached: bool = False, env: Mapping[str, str] | None = None) -> ServiceProcess:
     """Start `python -m <module> <args> --ready-file ...` with its output in `log_dir`."""
+    return start_process(name, module, args, log_dir=log_dir, detached=detached, env=env)[0]
+
+
+def start_process(name: str, module: str, args: Sequence[str], *, log_dir: Path,
+                  detached: bool = False, env: Mapping[str, str] | None = None
+                  ) -> tuple[ServiceProcess, subprocess.Popen[bytes]]:
+    """`launch`, and the Popen: whoever keeps it learns the exit status (a dropped Popen
+    of a running child is reaped by the next Popen made in this process)."""
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{name}.log"
     ready_file = log_dir / f"{name}.ready"
@@ -52,7 +60,7 @@ def launch(name: str, module: str, args: Sequence[str], *, log_dir: Path,
             start_new_session=detached, env=child_env,
         )
     return ServiceProcess(name=name, module=module, pid=process.pid, log_path=str(log_path),
-                          ready_file=str(ready_file))
+                          ready_file=str(ready_file)), process
 
 
 def wait_ready(processes: Sequence[ServiceProcess], timeout: float = 60.0) -> None:
@@ -61,10 +69,7 @@ def wait_ready(processes: Sequence[ServiceProcess], timeout: float = 60.0) -> No
     waiting = list(processes)
     while waiting:
         for proc in list(waiting):
-            data = _read_ready(Path(proc.ready_file))
-            if data is not None and data.get("pid") == proc.pid:
-                proc.grpc_address = str(data.get("grpc_address", ""))
-                proc.http_address = str(data.get("http_address", ""))
+            if check_ready(proc):
                 waiting.remove(proc)
             elif not pid_alive(proc.pid):
                 _reap(proc.pid)
@@ -77,6 +82,16 @@ def wait_ready(processes: Sequence[ServiceProcess], timeout: float = 60.0) -> No
                            f"with:\n{tail(Path(last.log_path))}")
         if waiting:
             time.sleep(0.05)
+
+
+def check_ready(proc: ServiceProcess) -> bool:
+    """True once this process (this pid) wrote its ready file; its addresses are then set."""
+    data = _read_ready(Path(proc.ready_file))
+    if data is None or data.get("pid") != proc.pid:
+        return False
+    proc.grpc_address = str(data.get("grpc_address", ""))
+    proc.http_address = str(data.get("http_address", ""))
+    return True
 
 
 def stop(processes: Sequence[ServiceProcess], timeout: float = 15.0) -> None:

@@ -1,14 +1,22 @@
 """`m27 up` / `m27 down` / `m27 status`: the whole system on one machine, no cluster needed.
 
-`up` starts a real nats-server (JetStream store under `$M27_HOME/nats`) and every service as
-its own background process on loopback, waits until each is ready, and records what runs in
-`$M27_HOME/embedded.json`. Runs live in JetStream, so `down` then `up` keeps them.
+`up` starts the supervisor (m27.embedded.supervisor), which starts a real nats-server
+(JetStream store under `$M27_HOME/nats`) and every service as its children on loopback,
+and returns once each is ready; what runs is in `$M27_HOME/embedded.json`, which the
+supervisor keeps current. A process that exits is started again after a backoff, one that
+keeps exiting is given up on and shown as crash-looping (m27.embedded.restarts). Runs live
+in JetStream, so `down` then `up` keeps them.
 
-With `nats_cluster=3` it starts three nats-servers as one JetStream cluster instead (stores
-under `$M27_HOME/nats-cluster/server-<i>`), creates every stream and bucket with 3 replicas
-and gives each service the servers' URLs in a different order, so the services spread over
-them and each fails over to another server when its own dies. `up` again while only some of
-those servers are dead starts just them, and they rejoin.
+With `nats_cluster=3` the bus is three nats-servers as one JetStream cluster instead
+(stores under `$M27_HOME/nats-cluster/server-<i>`), every stream and bucket with 3
+replicas, and each service is given the servers' URLs in a different order, so the
+services spread over them and each fails over to another server when its own dies; a dead
+server is started again on its own config and rejoins.
+
+`up` again while everything runs changes nothing; while something waits for its restart
+or was given up on, it asks the supervisor to start it now (and fails with its log if it
+exits again); when the supervisor itself is gone, it stops whatever is left and starts
+everything afresh.
 """
 
 from __future__ import annotations
@@ -18,7 +26,10 @@ import contextlib
 import fcntl
 import json
 import os
+import select
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,60 +38,57 @@ from typing import Final
 import msgspec
 
 from m27.common.api_auth import ensure_cli_token, login_name
-from m27.common.bus import Access, NatsBus, access_for, connect
-from m27.common.config import NatsSection
-from m27.common.credentials import SEED_SUFFIX, authorization, ensure_seeds, seed_path
+from m27.common.bus import Access, connect
+from m27.common.config import NatsSection, SupervisorSection
+from m27.common.credentials import authorization, ensure_seeds, seed_path
 from m27.common.errors import BusError, M27Error
-from m27.common.principals import NODE_ID, Principal, deployment, principal
+from m27.common.principals import principal
 from m27.common.subjects import RUNS_BUCKET
-from m27.embedded.nats_cluster import NatsCluster, run_blocking, wait_for_jetstream
-from m27.embedded.nats_server import (
-    NatsServer,
-    ServerTls,
-    pid_alive,
-    spawn,
-    stop_process,
+from m27.embedded.bus_setup import (
+    CLUSTER_REPLICAS,
+    SIZE_FILE,
+    access,
+    credentials_dir,
+    embedded_cluster,
+    embedded_server,
+    joined_nodes,
+    principals,
 )
-from m27.embedded.nats_server import wait_ready as wait_server_ready
-from m27.embedded.processes import ServiceProcess, launch, stop, wait_ready
+from m27.embedded.nats_cluster import run_blocking, wait_for_jetstream
+from m27.embedded.nats_server import pid_alive, stop_process, tail
+from m27.embedded.processes import stop
+from m27.embedded.restarts import describe_exit
+from m27.embedded.state import (
+    STATE_FILE,
+    EmbeddedState,
+    NatsProcess,
+    Supervision,
+    read_state,
+    state_path,
+)
+from m27.embedded.supervisor import Plan, Report
 
-STATE_FILE: Final = "embedded.json"
+__all__ = [
+    "CLUSTER_REPLICAS", "STATE_FILE", "EmbeddedState", "NatsProcess", "ProcessStatus",
+    "access", "admit_nodes", "credentials_dir", "dashboard_url", "default_gpus", "down",
+    "embedded_cluster", "embedded_server", "is_up", "joined_nodes", "last_nats_size",
+    "read_state", "state_path", "status_json", "statuses", "stored_nats", "supervised", "up",
+]
+
 LOCK_FILE: Final = "embedded.lock"
 DEFAULT_SIMULATED_GPUS: Final = "sim:2"
-START_TIMEOUT_S: Final = 60.0
-CLUSTER_DIR: Final = "nats-cluster"
-CLUSTER_REPLICAS: Final = 3
-SIZE_FILE: Final = "nats-servers"  # how many the last `up` ran
 ADMIT_TIMEOUT_S: Final = 10.0
-
-
-class NatsProcess(msgspec.Struct, kw_only=True):
-    """One nats-server of a clustered embedded bus: how to find it and start it again."""
-
-    name: str  # nats-server-<i>
-    pid: int
-    url: str
-    config_path: str
-    log_path: str
-
-
-class EmbeddedState(msgspec.Struct, kw_only=True):
-    """What `m27 up` started; `m27 status --json` prints this shape. With a NATS cluster,
-    `nats_url` lists every server (comma-separated), `nats_pid` is the first one's and
-    `nats_servers` has each."""
-
-    home: str
-    nats_url: str
-    nats_pid: int
-    api: str
-    processes: list[ServiceProcess]
-    started_at: float
-    gpus: str
-    simulated_gpus: bool
-    nats_servers: list[NatsProcess] = msgspec.field(default_factory=list)
+#: The supervisor's own waits (NATS, the topology, every service) fit well inside this.
+START_TIMEOUT_S: Final = 180.0
+#: It stops the services (20 s at most) and then NATS (10 s at most).
+SUPERVISOR_STOP_S: Final = 45.0
+#: `up` while something is down: how long the supervisor gets to start it again.
+REVIVE_TIMEOUT_S: Final = 60.0
 
 
 class ProcessStatus(msgspec.Struct, kw_only=True):
+    """A row of `m27 status`: a process, whether it lives, and how its supervision went."""
+
     name: str
     pid: int
     alive: bool
@@ -88,6 +96,15 @@ class ProcessStatus(msgspec.Struct, kw_only=True):
     log_path: str = ""
     http_address: str = ""
     nats_url: str = ""  # a nats-server's client URL
+    # starting | running | restarting | gave-up | stopped (state.ProcessState), or dead:
+    # not running and no supervisor to start it again
+    state: str = "running"
+    restarts: int = 0
+    last_exit: str = ""
+    last_exit_at: float = 0.0
+    restart_at: float = 0.0
+    reason: str = ""
+    crash_looping: bool = False  # exited too often: the supervisor gave up on it
 
 
 def dashboard_url(state: EmbeddedState) -> str:
@@ -97,15 +114,9 @@ def dashboard_url(state: EmbeddedState) -> str:
     return f"http://{address}/" if address else ""
 
 
-def state_path(home: Path) -> Path:
-    return home / STATE_FILE
-
-
-def read_state(home: Path) -> EmbeddedState | None:
-    try:
-        return msgspec.json.decode(state_path(home).read_bytes(), type=EmbeddedState)
-    except (OSError, msgspec.DecodeError, msgspec.ValidationError):
-        return None
+def supervised(state: EmbeddedState) -> bool:
+    """Whether the supervisor that started `state` still runs."""
+    return state.supervisor_pid > 0 and pid_alive(state.supervisor_pid)
 
 
 def statuses(state: EmbeddedState) -> list[ProcessStatus]:
@@ -119,11 +130,26 @@ def statuses(state: EmbeddedState) -> list[ProcessStatus]:
                            grpc_address=p.grpc_address, log_path=p.log_path,
                            http_address=p.http_address)
              for p in state.processes]
+    watching = supervised(state)
+    for row in rows:
+        _add_supervision(row, state.supervision.get(row.name), watching)
     return rows
 
 
+def _add_supervision(row: ProcessStatus, info: Supervision | None, watching: bool) -> None:
+    if info is not None:
+        row.state, row.restarts, row.last_exit = info.state, info.restarts, info.last_exit
+        row.last_exit_at, row.restart_at, row.reason = (info.last_exit_at, info.restart_at,
+                                                        info.reason)
+    if not watching and row.state not in ("gave-up", "stopped"):
+        row.state, row.restart_at = ("running" if row.alive else "dead"), 0.0
+    row.crash_looping = row.state == "gave-up"
+
+
 def is_up(state: EmbeddedState | None) -> bool:
-    return state is not None and all(s.alive for s in statuses(state))
+    """Everything runs and is ready, and the supervisor watches over it."""
+    return state is not None and supervised(state) and all(
+        s.alive and s.state == "running" for s in statuses(state))
 
 
 @contextlib.contextmanager
@@ -158,12 +184,15 @@ def nvidia_gpu_count() -> int:
 
 def up(home: Path, *, nodes: int = 1, gpus: str | None = None,
        log_level: str = "info", config: NatsSection | None = None, telegram: bool = False,
-       nats_cluster: int = 1) -> tuple[EmbeddedState, bool]:
+       nats_cluster: int = 1, policy: SupervisorSection | None = None
+       ) -> tuple[EmbeddedState, bool]:
     """Start everything (or find it running); returns (state, started_now). `telegram`:
     the Telegram bot too (a token is configured; it reads `[telegram]` itself).
     `nats_cluster`: 3 (or 5) nats-servers as one JetStream cluster, streams and buckets
-    with 3 replicas; when only some of a running cluster's servers are dead, they alone
-    are started again (and rejoin), and the state says (started_now False)."""
+    with 3 replicas. `policy`: how the supervisor restarts what exits (`[supervisor]`).
+    While the supervisor runs but something is down, it is asked to start that now
+    (started_now False; M27Error when it exits again, the rest left running); the system
+    is started afresh only when the supervisor is gone."""
     if nodes < 1 or nodes > 64:
         raise M27Error(f"--nodes must be between 1 and 64, got {nodes}")
     if nats_cluster not in (1, 3, 5):
@@ -171,100 +200,96 @@ def up(home: Path, *, nodes: int = 1, gpus: str | None = None,
                        f"majority when one dies), got {nats_cluster}")
     with _locked(home):
         current = read_state(home)
-        if current is not None and _only_nats_members_down(current):
-            revive_nats(current)
-            _write_state(home, current)
-        if is_up(current):
-            assert current is not None
+        if current is not None and supervised(current) and not is_up(current):
+            current = _revive(home, current)  # M27Error: it will not stay up
+        if current is not None and is_up(current):
             return current, False
         if current is not None:
-            _stop_state(current)  # some part died: restart all of it cleanly
-        return _start(home, nodes, gpus, log_level, config or NatsSection(), telegram,
-                      nats_cluster), True
+            _stop_state(current)  # what is left of it, so all of it starts cleanly
+        gpu_spec, simulated = (gpus, gpus.startswith("sim")) if gpus else default_gpus()
+        plan = Plan(home=str(home), nodes=nodes, gpus=gpu_spec, simulated=simulated,
+                    log_level=log_level, nats=config or NatsSection(),
+                    policy=policy or SupervisorSection(), telegram=telegram,
+                    nats_cluster=nats_cluster)
+        return _start(home, plan), True
 
 
-def _only_nats_members_down(state: EmbeddedState) -> bool:
-    """Some servers of a NATS cluster are dead, but a majority and every service live."""
-    if not state.nats_servers or not all(pid_alive(p.pid) for p in state.processes):
-        return False
-    alive = sum(pid_alive(n.pid) for n in state.nats_servers)
-    return len(state.nats_servers) // 2 < alive < len(state.nats_servers)
+def _revive(home: Path, state: EmbeddedState) -> EmbeddedState | None:
+    """Ask the supervisor to start every process that waits for its restart or was given
+    up on now (SIGUSR1), and wait until all run; the state then (None, or one without a
+    supervisor: it died meanwhile). M27Error with its log's end when one exits again, or
+    is not running after REVIVE_TIMEOUT_S: the rest keeps running."""
+    asked = time.time()
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(state.supervisor_pid, signal.SIGUSR1)
+    deadline = time.monotonic() + REVIVE_TIMEOUT_S
+    while True:
+        time.sleep(0.1)
+        latest = read_state(home)
+        if latest is None or is_up(latest) or not supervised(latest):
+            return latest
+        again = [row for row in statuses(latest) if row.last_exit_at > asked]
+        if again or time.monotonic() > deadline:
+            row = (again or [r for r in statuses(latest) if r.state != "running"])[0]
+            why = f"exited again ({row.last_exit})" if again else \
+                f"is not running after {REVIVE_TIMEOUT_S:.0f}s"
+            raise M27Error(f"{row.name} {why} when started again; everything else keeps "
+                           f"running (`m27 status`). Its log ({row.log_path}) ends with:\n"
+                           f"{tail(Path(row.log_path))}")
 
 
-def revive_nats(state: EmbeddedState) -> list[str]:
-    """Start each dead server of the embedded NATS cluster again with its own config (the
-    same ports, name and store): it rejoins the cluster and catches up. Returns the names
-    of those started; `state` is updated (not written)."""
-    started = []
-    for member in state.nats_servers:
-        if pid_alive(member.pid):
+def _start(home: Path, plan: Plan) -> EmbeddedState:
+    """Start the supervisor with `plan` and wait for its report: the state it wrote, or
+    M27Error saying what failed (with the log's end)."""
+    ensure_cli_token(home, login_name())  # the API's keys, and the CLI's admin token
+    log_path = home / "logs" / "supervisor.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    read_fd, write_fd = os.pipe()
+    try:
+        with log_path.open("ab") as log_file:
+            process = subprocess.Popen(
+                [sys.executable, "-m", "m27.embedded.supervisor", "--report-fd",
+                 str(write_fd)],
+                stdin=subprocess.PIPE, stdout=log_file, stderr=subprocess.STDOUT,
+                pass_fds=(write_fd,), start_new_session=True,
+                env={**os.environ, "PYTHONUNBUFFERED": "1", "M27_LOG_FILE": str(log_path)})
+    finally:
+        os.close(write_fd)
+    try:
+        assert process.stdin is not None
+        with contextlib.suppress(BrokenPipeError):  # it died at once: the report says so
+            process.stdin.write(msgspec.json.encode(plan))
+            process.stdin.close()
+        report = _await_report(read_fd, process, log_path)
+    finally:
+        os.close(read_fd)
+    if not report.ok:
+        raise M27Error(report.error)
+    state = read_state(home)
+    if state is None or state.supervisor_pid != process.pid:
+        raise M27Error(f"the supervisor said it started but wrote no state under {home}")
+    return state
+
+
+def _await_report(fd: int, process: subprocess.Popen[bytes], log_path: Path) -> Report:
+    """The supervisor's one line on `fd`; M27Error when it exits or hangs instead."""
+    deadline = time.monotonic() + START_TIMEOUT_S
+    data = b""
+    while not data.endswith(b"\n"):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            stop_process(process.pid, SUPERVISOR_STOP_S, child=process)
+            raise M27Error(f"m27 did not start in {START_TIMEOUT_S:.0f}s; the supervisor's "
+                           f"log ({log_path}) ends with:\n{tail(log_path)}")
+        if not select.select([fd], [], [], left)[0]:
             continue
-        config_path = Path(member.config_path)
-        ports = config_path.parent / "ports"  # as NatsServer lays its files out
-        for stale in ports.glob("*.ports"):
-            stale.unlink()
-        process = spawn(config_path, Path(member.log_path), detached=True)
-        member.pid = process.pid
-        wait_server_ready(process, ports, Path(member.log_path))
-        started.append(member.name)
-    return started
-
-
-def credentials_dir(home: Path) -> Path:
-    """Where `up` keeps the embedded bus's nkey seeds (0700, each file 0600)."""
-    return home / "credentials" / "nats"
-
-
-def access(home: Path, who: Principal, config: NatsSection) -> Access:
-    """How `who` connects to the embedded bus under `home`."""
-    return msgspec.structs.replace(
-        access_for(config, who), seed_file=str(seed_path(credentials_dir(home), who)))
-
-
-def embedded_server(home: Path, config: NatsSection, nodes: int) -> NatsServer:
-    """The embedded nats-server: users for every principal (seeds made if missing), TLS
-    when `[nats] server_cert` and `server_key` are set (mutual with `tls_cert` too)."""
-    auth, tls = _server_security(home, config, nodes)
-    return NatsServer(home / "nats", server_name="m27-embedded", authorization=auth, tls=tls)
-
-
-def embedded_cluster(home: Path, config: NatsSection, nodes: int, size: int) -> NatsCluster:
-    """The embedded NATS as a JetStream cluster of `size` servers on loopback, with the
-    same users and TLS as the single server."""
-    auth, tls = _server_security(home, config, nodes)
-    return NatsCluster(home / CLUSTER_DIR, size, prefix="m27-embedded-", authorization=auth,
-                       tls=tls)
-
-
-def _server_security(home: Path, config: NatsSection, nodes: int
-                     ) -> tuple[str, ServerTls | None]:
-    keys = ensure_seeds(credentials_dir(home), _principals(home, nodes))
-    tls = None
-    if config.server_cert or config.server_key:
-        if not (config.server_cert and config.server_key):
-            raise M27Error("[nats] server_cert and server_key go together")
-        tls = ServerTls(cert=config.server_cert, key=config.server_key,
-                        ca=config.tls_ca if config.tls_cert else "")
-    return authorization(keys), tls
-
-
-def _principals(home: Path, nodes: int) -> list[Principal]:
-    """Who the embedded bus admits: every service, its own nodes `node-1`…`node-<nodes>`,
-    and every other node whose seed is in its credentials directory (a host that joins
-    with `m27 agent`; `m27 bus credentials $M27_HOME/credentials/nats --nodes ID` puts
-    it there)."""
-    own = {f"node-{i}" for i in range(1, nodes + 1)}
-    return deployment(sorted(own | set(joined_nodes(home))))
-
-
-def joined_nodes(home: Path) -> list[str]:
-    """Node ids whose seeds (`node-<id>.nk`) are in the embedded bus's credentials."""
-    found = []
-    for path in sorted(credentials_dir(home).glob(f"node-*{SEED_SUFFIX}")):
-        node_id = path.name[len("node-"):-len(SEED_SUFFIX)]
-        if NODE_ID.fullmatch(node_id):
-            found.append(node_id)
-    return found
+        chunk = os.read(fd, 65536)
+        if not chunk:
+            code = process.wait(timeout=10)
+            raise M27Error(f"the supervisor exited while starting ({describe_exit(code)}); "
+                           f"its log ({log_path}) ends with:\n{tail(log_path)}")
+        data += chunk
+    return msgspec.json.decode(data, type=Report)
 
 
 def admit_nodes(home: Path) -> list[str]:
@@ -276,7 +301,7 @@ def admit_nodes(home: Path) -> list[str]:
         state = read_state(home)
         if state is None or not is_up(state):
             return []
-        keys = ensure_seeds(credentials_dir(home), _principals(home, 0))
+        keys = ensure_seeds(credentials_dir(home), principals(home, 0))
         block = authorization(keys)
         configs = [Path(n.config_path) for n in state.nats_servers] or [
             home / "nats" / "nats.conf"]
@@ -309,104 +334,6 @@ async def _wait_admitted(url: str, seeds: list[Path]) -> None:
                 continue
             await nc.close()
             break
-
-
-def _create_topology(url: str, admin: Access, replicas: int = 1) -> None:
-    async def create() -> None:
-        if replicas > 1:  # a cluster answers once its members have elected a meta leader
-            await wait_for_jetstream(url, access=admin)
-        bus = await NatsBus.open(url, name="m27-up", access=admin, create=True,
-                                 replicas=replicas)
-        await bus.close()
-
-    run_blocking(create)
-
-
-def _start_nats(home: Path, config: NatsSection, nodes: int, size: int
-                ) -> tuple[list[str], list[NatsProcess]]:
-    """The embedded bus, started detached: its client URLs and each server's record; the
-    topology created with 1 replica, or CLUSTER_REPLICAS on a cluster."""
-    admin = access(home, principal("admin"), config)
-    if size == 1:
-        nats = embedded_server(home, config, nodes)
-        url = nats.start(detached=True)
-        assert nats.pid is not None
-        members = [NatsProcess(name="nats-server", pid=nats.pid, url=url,
-                               config_path=str(nats.config_path), log_path=str(nats.log_path))]
-        replicas = 1
-    else:
-        cluster = embedded_cluster(home, config, nodes, size)
-        cluster.start(detached=True)
-        members = [NatsProcess(name=f"nats-server-{i}", pid=server.pid or 0,
-                               url=server.url or "", config_path=str(server.config_path),
-                               log_path=str(server.log_path))
-                   for i, server in enumerate(cluster.servers, start=1)]
-        replicas = CLUSTER_REPLICAS
-    urls = [member.url for member in members]
-    try:
-        _create_topology(",".join(urls), admin, replicas)
-    except M27Error:
-        for member in members:
-            stop_process(member.pid, 5)
-        raise
-    return urls, members
-
-
-def rotated(urls: list[str], start: int) -> str:
-    """The servers' URLs starting at the `start`-th (modulo their number), comma-separated:
-    a client tries them in that order, so clients given different starts spread out."""
-    shift = start % len(urls)
-    return ",".join(urls[shift:] + urls[:shift])
-
-
-def _start(home: Path, nodes: int, gpus: str | None, log_level: str,
-           config: NatsSection, telegram: bool = False, nats_cluster: int = 1
-           ) -> EmbeddedState:
-    gpu_spec, simulated = (gpus, gpus.startswith("sim")) if gpus else default_gpus()
-    ensure_cli_token(home, login_name())  # the API's keys, and the CLI's admin token
-    urls, members = _start_nats(home, config, nodes, nats_cluster)
-    (home / SIZE_FILE).write_text(f"{nats_cluster}\n")  # which store `stored_nats` reads
-    nats_url = ",".join(urls)
-    nats_pids = [m.pid for m in members]
-    log_dir = home / "logs"
-    common = ["--log-level", log_level, "--log-json"]
-    specs: list[tuple[str, str, Principal, list[str]]] = [
-        ("orchestrator", "m27.orchestrator", principal("orchestrator"), []),
-        ("scheduler", "m27.scheduler", principal("scheduler"), []),
-        ("checkpoint-store", "m27.checkpoint_store", principal("checkpoint-store"), []),
-        ("report", "m27.report", principal("report"), [])]
-    if telegram:
-        specs.append(("telegram", "m27.telegram", principal("telegram"), []))
-    specs += [(f"node-agent-{i}", "m27.node_agent", principal("node-agent", f"node-{i}"),
-               ["--node-id", f"node-{i}", "--instance", f"node-{i}", "--gpus", gpu_spec])
-              for i in range(1, nodes + 1)]
-    seeds = credentials_dir(home)
-    processes = [launch(name, module, ["--nats", rotated(urls, i), *common,
-                                       "--nats-credentials", str(seed_path(seeds, who)),
-                                       *args],
-                        log_dir=log_dir, detached=True)
-                 for i, (name, module, who, args) in enumerate(specs)]
-    try:
-        wait_ready(processes, timeout=START_TIMEOUT_S)
-    except M27Error:
-        stop(processes, timeout=5)
-        for pid in nats_pids:
-            stop_process(pid, 5)
-        raise
-    api = next(p.grpc_address for p in processes if p.name == "orchestrator")
-    state = EmbeddedState(home=str(home), nats_url=nats_url, nats_pid=nats_pids[0], api=api,
-                          processes=processes, started_at=time.time(), gpus=gpu_spec,
-                          simulated_gpus=simulated,
-                          nats_servers=members if nats_cluster > 1 else [])
-    _write_state(home, state)
-    return state
-
-
-def _write_state(home: Path, state: EmbeddedState) -> None:
-    path = state_path(home)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_bytes(msgspec.json.encode(state))
-    os.replace(tmp, path)
 
 
 @contextlib.contextmanager
@@ -470,18 +397,28 @@ def down(home: Path) -> EmbeddedState | None:
 
 
 def _stop_state(state: EmbeddedState) -> None:
-    stop(state.processes, timeout=20)
-    pids = [n.pid for n in state.nats_servers] or [state.nats_pid]
+    """Stop the supervisor, which stops everything it runs; then whatever still lives of
+    what the state records (a supervisor that died left it running); forget it all."""
+    home = Path(state.home)
+    if supervised(state):
+        stop_process(state.supervisor_pid, SUPERVISOR_STOP_S)
+        state = read_state(home) or state  # the pids it had last
+    if state.supervisor_pid:
+        with contextlib.suppress(ChildProcessError):  # started by this very process
+            os.waitpid(state.supervisor_pid, os.WNOHANG)
+    stop([p for p in state.processes if pid_alive(p.pid)], timeout=20)
+    pids = [pid for pid in [n.pid for n in state.nats_servers] or [state.nats_pid]
+            if pid_alive(pid)]
     for pid in pids:  # all at once: each waits for the others while it shuts down
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGTERM)
     for pid in pids:
         stop_process(pid, 10)
-    state_path(Path(state.home)).unlink(missing_ok=True)
+    state_path(home).unlink(missing_ok=True)
 
 
 def status_json(state: EmbeddedState, dead_letters: int | None = None) -> str:
-    """The documented `m27 status --json` shape (plus liveness and log paths)."""
+    """The documented `m27 status --json` shape (plus liveness, supervision, log paths)."""
     rows = statuses(state)
     return json.dumps({
         "dead_letters": dead_letters,
@@ -492,6 +429,7 @@ def status_json(state: EmbeddedState, dead_letters: int | None = None) -> str:
         "dashboard": dashboard_url(state),
         "gpus": state.gpus,
         "simulated_gpus": state.simulated_gpus,
-        "up": all(r.alive for r in rows),
+        "up": is_up(state),
+        "supervisor": {"pid": state.supervisor_pid, "alive": supervised(state)},
         "processes": [msgspec.to_builtins(r) for r in rows],
     }, indent=2)

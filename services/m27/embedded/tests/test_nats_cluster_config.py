@@ -10,7 +10,7 @@ import pytest
 from m27.common.errors import M27Error
 from m27.embedded.nats_cluster import NatsCluster
 from m27.embedded.nats_server import ClusterRoutes, render_config
-from m27.embedded.system import rotated
+from m27.embedded.supervisor import rotated
 
 
 def test_a_member_config_names_its_cluster_listen_address_and_every_route() -> None:
