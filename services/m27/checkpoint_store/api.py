@@ -22,7 +22,7 @@ from m27.common.checkpoint_api import (
     error_metadata,
     summary_to_proto,
 )
-from m27.common.errors import PermissionDenied
+from m27.common.errors import M27Error, PermissionDenied
 from m27.common.grpc_server import Register, refuse
 from m27.common.logging import bound_contextvars, get_logger
 from m27.v1 import checkpoint_pb2 as pb
@@ -48,6 +48,9 @@ async def _fail(context: Context, exc: Exception, rpc: str, **fields: str) -> No
     if isinstance(exc, CheckpointStoreError):
         log.info("checkpoint.rejected", rpc=rpc, code=exc.status, error=str(exc), **fields)
         await refuse(context, exc, metadata=error_metadata(exc))
+    if isinstance(exc, M27Error):  # e.g. a PutChunks message that does not parse
+        log.info("checkpoint.rejected", rpc=rpc, code=exc.status, error=str(exc), **fields)
+        await refuse(context, exc)
     log.error("checkpoint.internal_error", rpc=rpc, error=repr(exc), exc_info=exc, **fields)
     await context.abort(grpc.StatusCode.INTERNAL, INTERNAL_MESSAGE)
 

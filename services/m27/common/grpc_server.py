@@ -14,11 +14,16 @@ from m27.common.admission import Admission
 from m27.common.api_access import METHOD_ROLES
 from m27.common.api_auth import Authenticator, Keys, server_credentials
 from m27.common.config import ApiSection
+from m27.common.decoding import RequestDecoding
 from m27.common.errors import M27Error
 from m27.common.outages import BusOutages
 from m27.common.tokens import ApiRole
 
 MAX_MESSAGE_BYTES: Final = 16 * 1024 * 1024
+#: A status message as sent (percent-encoded). It travels in the trailers, and gRPC clients
+#: drop a call whose metadata passes 16 KiB ("Stream removed", RESOURCE_EXHAUSTED): an
+#: error that echoes a huge input would hide itself.
+MAX_STATUS_MESSAGE_BYTES: Final = 8 * 1024
 #: The health service name that answers SERVING while the process runs and its server
 #: answers, ready or not: liveness. The whole server ("") and each named service say
 #: SERVING only once the service is ready — a scheduler standby never is until it acts.
@@ -52,11 +57,23 @@ def status_of(error: BaseException) -> grpc.StatusCode:
     return grpc.StatusCode.INTERNAL
 
 
+def fitted(message: str, limit: int = MAX_STATUS_MESSAGE_BYTES) -> str:
+    """`message` cut to at most `limit` bytes as gRPC sends it (percent-encoded: any byte
+    but printable ASCII takes three), with what was cut said at the end."""
+    used = 0
+    for index, char in enumerate(message):
+        used += 1 if " " <= char <= "~" and char != "%" else 3 * len(
+            char.encode("utf-8", "surrogatepass"))
+        if used > limit - 40:
+            return f"{message[:index]}… ({len(message) - index} more characters)"
+    return message
+
+
 async def abort(context: grpc.aio.ServicerContext[Any, Any], code: grpc.StatusCode,
                 message: str, *, metadata: Sequence[tuple[str, str]] = ()) -> NoReturn:
-    """End the call with `code` and a sentence for the user; servicers call `refuse`, this
-    is for relaying a status another server gave."""
-    await context.abort(code, message, trailing_metadata=tuple(metadata))
+    """End the call with `code` and a sentence for the user (cut to fit: `fitted`);
+    servicers call `refuse`, this is for relaying a status another server gave."""
+    await context.abort(code, fitted(message), trailing_metadata=tuple(metadata))
     raise AssertionError("context.abort raises")
 
 
@@ -106,7 +123,7 @@ async def start_server(bind: str, registrations: Sequence[Register],
     server = grpc.aio.server(options=SERVER_OPTIONS,
                              interceptors=[Admission(max_calls),
                                            Authenticator(keys, table=method_roles),
-                                           BusOutages()])
+                                           BusOutages(), RequestDecoding()])
     for register in registrations:
         register(server)
     health = HealthServicer()

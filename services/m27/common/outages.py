@@ -4,7 +4,9 @@ A servicer that reads or writes the bus while it is unreachable, or while a clus
 JetStream elects a stream's leader, gets a timeout or a connection error from nats-py. Left
 alone, gRPC answers such an exception with UNKNOWN ("Unexpected <class ...>"), which a
 client cannot tell from a bug. This interceptor turns exactly these errors into UNAVAILABLE
-with a sentence naming the bus; anything else still ends as it did.
+with a sentence naming the bus, and a message the bus refuses as too large (past its
+`max_payload`, docs/security.md "Size limits") into RESOURCE_EXHAUSTED; anything else
+still ends as it did.
 """
 
 from __future__ import annotations
@@ -43,6 +45,10 @@ BUS_OUTAGES: Final = (
 )
 
 
+#: What nats-py raises for a message the bus will never take, however often it is tried.
+BUS_REFUSALS: Final = (nats.errors.MaxPayloadError,)
+
+
 def outage_message(error: BaseException) -> str:
     detail = (str(error).strip() or type(error).__name__)[:200]
     what = ("the message bus (NATS JetStream)" if isinstance(error, nats.errors.Error)
@@ -51,7 +57,8 @@ def outage_message(error: BaseException) -> str:
 
 
 class BusOutages(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
-    """Ends a call that failed on a `BUS_OUTAGES` error with UNAVAILABLE."""
+    """Ends a call that failed on a `BUS_OUTAGES` error with UNAVAILABLE, and on a
+    `BUS_REFUSALS` one with RESOURCE_EXHAUSTED."""
 
     async def intercept_service(self, continuation: Continuation,
                                 details: grpc.HandlerCallDetails) -> Any:
@@ -69,12 +76,21 @@ async def _unavailable(context: Context, method: str, error: BaseException) -> N
     await context.abort(grpc.StatusCode.UNAVAILABLE, outage_message(error))
 
 
+async def _too_large(context: Context, method: str, error: BaseException) -> None:
+    log.warning("api.bus_refused", method=method, error=str(error) or type(error).__name__)
+    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                        "what this call would store is larger than the message bus takes "
+                        "in one message; send less (smaller variables, fewer steps)")
+
+
 def _single(behavior: Single, method: str) -> Single:
     async def guarded(request: Any, context: Context) -> Any:
         try:
             return await behavior(request, context)
         except BUS_OUTAGES as exc:
             await _unavailable(context, method, exc)
+        except BUS_REFUSALS as exc:
+            await _too_large(context, method, exc)
 
     return guarded
 
@@ -86,5 +102,7 @@ def _streaming(behavior: Streaming, method: str) -> Streaming:
                 yield response
         except BUS_OUTAGES as exc:
             await _unavailable(context, method, exc)
+        except BUS_REFUSALS as exc:
+            await _too_large(context, method, exc)
 
     return guarded

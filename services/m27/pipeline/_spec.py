@@ -45,6 +45,9 @@ MAX_DEPENDENCIES: Final = 200_000
 MAX_HINTED: Final = 50
 MAX_COMMAND_BYTES: Final = 64 * 1024
 MAX_VAR_BYTES: Final = 64 * 1024
+#: All the variables and secrets given with one submission, names and values: they travel
+#: in one bus message with the document (NATS takes 8 MB at most).
+MAX_VARIABLES_BYTES: Final = 1024 * 1024
 #: Different sets of secret values one run may hand its steps (each is one KV entry; the
 #: steps of a sweep usually share one).
 MAX_SECRET_SETS: Final = 100
@@ -135,6 +138,12 @@ def _variables(doc: RawDocument, given: dict[str, str], secrets: dict[str, str],
         problems.append(Problem(message=f"variable {name} was given both as --var and as "
                                 "--secret", hint="give it once"))
     submitted = {**given, **secrets}
+    total = sum(len(k.encode("utf-8", "surrogatepass")) + len(v.encode("utf-8", "surrogatepass"))
+                for k, v in submitted.items())
+    if total > MAX_VARIABLES_BYTES:
+        problems.append(Problem(message=f"the variables given are {total // 1024} KiB in all, "
+                                f"more than {MAX_VARIABLES_BYTES // 1024} KiB",
+                                hint="pass data in files the steps read"))
     for name, value in submitted.items():
         if not VAR_NAME_RE.fullmatch(name):
             problems.append(Problem(message=f"invalid variable name {name!r}",

@@ -92,13 +92,13 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
                                  context: Context) -> pb.NodeMaintenance:
         if request.action not in ACTIONS:
             await refuse(context, InvalidRequest(
-                f"unknown action {request.action!r}: cordon, drain or uncordon"))
+                f"unknown action {request.action[:100]!r}: cordon, drain or uncordon"))
         try:
             mark = await self.scheduler.set_maintenance(request.node_id,
                                                         ACTIONS[request.action],
                                                         request.reason)
         except UnknownNode:
-            await refuse(context, NotFoundError(f"no node {request.node_id!r} is registered"))
+            await refuse(context, NotFoundError(f"no node {request.node_id[:100]!r} is registered"))
         return maintenance_to_proto(request.node_id, mark,
                                     self.scheduler.tasks_on(request.node_id))
 

@@ -31,6 +31,8 @@ async def channel() -> AsyncIterator[grpc.aio.Channel]:
         failure = request.decode()
         if failure == "bug":
             raise ValueError("a bug of ours")
+        if failure == "too_large":
+            raise nats.errors.MaxPayloadError
         raise FAILURES[failure]
 
     async def stream(request: bytes, context: object) -> AsyncIterator[bytes]:
@@ -81,3 +83,14 @@ async def test_other_failures_are_not_called_outages(channel: grpc.aio.Channel) 
     with pytest.raises(grpc.aio.AioRpcError) as caught:
         await call(b"bug", timeout=30)
     assert caught.value.code() == grpc.StatusCode.UNKNOWN
+
+
+async def test_a_message_the_bus_will_never_take_is_resource_exhausted(
+        channel: grpc.aio.Channel) -> None:
+    """Past NATS's max_payload: retrying cannot help, so not UNAVAILABLE; used to be UNKNOWN
+    (found by fuzzing SubmitPipeline with 10 MB of variables)."""
+    call = channel.unary_unary("/test.Bus/Fail", None, None)
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await call(b"too_large", timeout=30)
+    assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "larger than the message bus takes" in (caught.value.details() or "")
