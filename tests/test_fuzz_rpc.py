@@ -130,6 +130,18 @@ def test_a_refusal_about_a_huge_id_reaches_the_caller(target: Target) -> None:
     target.restore()
 
 
+def test_a_huge_maintenance_reason_is_refused(target: Target) -> None:
+    """A 3 MiB reason used to be stored in KV with the mark (found by fuzzing)."""
+    maintenance = fuzzing.services_by_name()["m27.v1.SchedulerService"].methods_by_name[
+        "SetNodeMaintenance"]
+    request: Any = scheduler_pb2.SetNodeMaintenanceRequest(node_id="node-1", action="cordon",
+                                                           reason="r" * 3_000_000)
+    outcome = target.call(maintenance, request, "privileged")
+    assert outcome.code == "INVALID_ARGUMENT", outcome
+    assert "at most 1000" in outcome.details
+    target.restore()
+
+
 @pytest.mark.parametrize("method", METHODS, ids=fuzzing.path)
 def test_bytes_that_are_not_the_request_message_are_invalid_argument(
         target: Target, method: descriptor.MethodDescriptor) -> None:

@@ -32,6 +32,8 @@ if TYPE_CHECKING:
 
 SERVICE_NAME: Final = "m27.v1.SchedulerService"
 SERVICE_NAMES: Final = (SERVICE_NAME,)
+#: A cordon's or drain's reason: a sentence for `m27 nodes`, stored with the mark in KV.
+MAX_REASON_CHARS: Final = 1000
 ACTIONS: Final[dict[str, MaintenanceState | None]] = {
     "cordon": "cordoned", "drain": "draining", "uncordon": None}
 
@@ -93,6 +95,10 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
         if request.action not in ACTIONS:
             await refuse(context, InvalidRequest(
                 f"unknown action {request.action[:100]!r}: cordon, drain or uncordon"))
+        if len(request.reason) > MAX_REASON_CHARS:
+            await refuse(context, InvalidRequest(
+                f"the reason is {len(request.reason)} characters long, at most "
+                f"{MAX_REASON_CHARS}"))
         try:
             mark = await self.scheduler.set_maintenance(request.node_id,
                                                         ACTIONS[request.action],
