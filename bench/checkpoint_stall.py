@@ -268,14 +268,6 @@ def tree_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 # ---------------------------------------------------------------------------- m27
 
 
@@ -451,6 +443,8 @@ class DcpSaver:
 
     def _durable(self, future: Future[Any], index: int, path: Path, started: float) -> None:
         """On DCP's upload thread, once the save completed."""
+        from m27.common.checkpoint_storage import fsync_dir
+
         try:
             future.result()
             fsync_dir(path)
