@@ -24,7 +24,7 @@ from m27.common.errors import Unavailable
 from m27.common.model import GpuSample, RunRecord, StepRecord
 from m27.common.notifications import Delivery, Notice, Subscription
 from m27.embedded.processes import stop, wait_ready
-from m27.report.channels import Email, Telegram, Webhook
+from m27.report.channels import Email, NotTaken, Refused, Telegram, Webhook
 from m27.report.notify import CLAIM_LEASE_S, Busy, Mark, Notifier, mark_key
 from tests.botapi import BotApi
 from tests.support import Cluster, finished_run, stored, wait_for
@@ -34,12 +34,14 @@ pytestmark = pytest.mark.integration
 
 
 class Hook:
-    """A webhook receiver that answers each POST with the next of `statuses` (then 200)."""
+    """A webhook receiver that answers each POST with the next of `statuses` (then 200);
+    one it takes is answered `hold_s` after it was recorded (an answer slow to come back)."""
 
     def __init__(self) -> None:
         self.bodies: list[dict[str, object]] = []
         self.keys: list[str] = []
         self.statuses: list[int] = []
+        self.hold_s = 0.0
         self.url = ""
 
     async def post(self, request: web.Request) -> web.Response:
@@ -47,6 +49,7 @@ class Hook:
         if status == 200:
             self.bodies.append(await request.json())
             self.keys.append(request.headers.get("Idempotency-Key", ""))
+            await asyncio.sleep(self.hold_s)
         return web.Response(status=status)
 
 
@@ -267,6 +270,90 @@ pipeline:
 """
 
 
+async def test_a_send_whose_answer_is_lost_keeps_its_claim_until_the_lease(
+        nats_url: str, hook: Hook) -> None:
+    """The webhook took the notice but its answer never came back in time: the notice may
+    have arrived, so it is not sent again before the lease ends (a freed claim would send
+    it again at the next redelivery, seconds later), and then with the same key."""
+    hook.hold_s = 3.0
+    nats = await NatsBus.open(nats_url, name="test-notify")
+    notifier = Notifier(nats, {"webhook": Webhook(0.5)}, section=NotifySection(
+        webhook=hook.url), run_of=_no_run, picture=_no_picture)
+    notice = Notice(id="n-lost-answer", kind="run_failed", text="x", at=1.0, user="alice")
+    key = mark_key(notice, Delivery(channel="webhook", target=hook.url))
+    try:
+        with pytest.raises(Unavailable) as lost:
+            await notifier.notify(notice)
+        assert not isinstance(lost.value, NotTaken), lost.value
+        got = await nats.kv_get(subjects.NOTIFIED_BUCKET, key, Mark)
+        assert got is not None
+        assert got[0].state == "sending"
+        with pytest.raises(Busy):
+            await notifier._deliver(notice, Delivery(channel="webhook", target=hook.url),
+                                    None)
+        assert len(hook.bodies) == 1
+        await nats.kv_put(subjects.NOTIFIED_BUCKET, key, Mark(
+            state="sending", at=time.time() - CLAIM_LEASE_S - 1, notice=notice.id,
+            place="webhook"))  # the lease is over: sent again, and the receiver can tell
+        hook.hold_s = 0.0
+        assert await notifier.notify(notice) == 1
+        assert hook.keys == [notice.id, notice.id]
+        got = await nats.kv_get(subjects.NOTIFIED_BUCKET, key, Mark)
+        assert got is not None
+        assert got[0].state == "sent"
+    finally:
+        await notifier.close()
+        await nats.close()
+
+
+async def _no_run(run_id: str) -> RunRecord | None:
+    return None
+
+
+async def _no_picture(run_id: str) -> tuple[dict[str, float], bytes | None]:
+    return {}, None
+
+
+def _closed_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+async def test_channels_tell_a_notice_not_taken_from_one_whose_fate_is_unknown(
+        hook: Hook, bot_api: BotApi) -> None:
+    notice = Notice(id="n-fate", kind="run_failed", text="x", at=1.0, user="alice")
+    webhook = Webhook(0.5)
+    telegram = Telegram(bot_api.token, bot_api.url)
+    try:
+        with pytest.raises(NotTaken, match="ConnectError"):  # nothing listens there
+            await webhook.send(notice, f"http://127.0.0.1:{_closed_port()}/hook", None)
+        hook.statuses = [503, 429]
+        for status in ("503", "429"):
+            with pytest.raises(NotTaken, match=status):
+                await webhook.send(notice, hook.url, None)
+        hook.statuses = [404]
+        with pytest.raises(Refused, match="404"):
+            await webhook.send(notice, hook.url, None)
+        hook.hold_s = 2.0
+        with pytest.raises(Unavailable, match="ReadTimeout") as timed_out:
+            await webhook.send(notice, hook.url, None)
+        assert not isinstance(timed_out.value, NotTaken)
+        bot_api.fail_next("sendMessage", 1, status=502)
+        with pytest.raises(NotTaken, match="502"):
+            await telegram.send(notice, "4242", None)
+        with pytest.raises(NotTaken, match="ConnectError"):
+            await Telegram(bot_api.token, f"http://127.0.0.1:{_closed_port()}").send(
+                notice, "4242", None)
+        mail = Email(NotifySection(smtp_host="127.0.0.1", smtp_port=_closed_port()))
+        with pytest.raises(NotTaken):
+            await mail.send(notice, "alice@lab.example", None)
+        assert bot_api.sent(4242) == []
+    finally:
+        await webhook.close()
+        await telegram.close()
+
+
 async def test_the_real_system_tells_a_webhook_and_a_subscribed_chat_once_across_a_restart(
         tmp_path: Path, hook: Hook, bot_api: BotApi) -> None:
     system = Cluster(tmp_path, gpus="sim:1", env={
@@ -280,12 +367,19 @@ async def test_the_real_system_tells_a_webhook_and_a_subscribed_chat_once_across
                           subjects.subscription_key("telegram", "4242"),
                           Subscription(channel="telegram", target="4242", user=me))
         bot_api.fail_next("sendPhoto", 1, status=429, retry_after=1)
+        hook.hold_s = 2.0  # the report is stopped while the webhook's answer is on its way
         async with system.client() as client:
             run_id = await client.submit(PIPELINE, workdir=str(tmp_path))
             run = await finished_run(client, run_id)
         assert run.state == "succeeded", system.logs()
-        await bot_api.wait_for_async(lambda: bot_api.sent(4242), timeout=60)
         await wait_for(lambda: bool(hook.bodies), "the webhook hears of the run")
+        # in a thread: the webhook answers from this event loop
+        await asyncio.to_thread(stop, [system.processes.pop("report")])
+        # it finished what it was sending (the webhook, then the chat) before it closed
+        marks = [(await nats.kv_get(subjects.NOTIFIED_BUCKET, key, Mark))
+                 for key in await nats.kv_keys(subjects.NOTIFIED_BUCKET)]
+        assert sorted((m[0].place.partition(":")[0], m[0].state) for m in marks if m) == [
+            ("telegram", "sent"), ("webhook", "sent")], system.logs()
         (photo,) = bot_api.sent(4242)
         assert photo.kind == "photo", photo
         assert photo.text.startswith(f"✅ run {run_id} ")
@@ -294,7 +388,6 @@ async def test_the_real_system_tells_a_webhook_and_a_subscribed_chat_once_across
         assert [(b["type"], b["run_id"], b["user"]) for b in hook.bodies] == [
             ("run_succeeded", run_id, me)]
         # the report service restarts, and the run's end is published once more
-        stop([system.processes.pop("report")])
         ended = [data for subject, data in await stored(nats, subjects.EVENTS_STREAM)
                  if subject == subjects.run_state(run_id)
                  and b'"state":"succeeded"' in data]

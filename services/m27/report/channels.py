@@ -1,9 +1,12 @@
 """Where notices go: a webhook (JSON POST), e-mail (SMTP), a Telegram chat (Bot API).
 
-Each channel's `send` returns once the place took the notice; it raises `Unavailable`
-for a failure that trying later may cure (a timeout, 5xx, 429, a refused connection) and
-`Refused` for one it will not (4xx, a chat that blocked the bot, an address the server
-rejects). Deduplication and retries are the notifier's (`m27.report.notify`).
+Each channel's `send` returns once the place took the notice. It raises `NotTaken` for a
+failure that trying later may cure and after which the place certainly does not have the
+notice (it answered 5xx, 429 or an SMTP 4xx, or no connection was made); `Unavailable`
+for one whose outcome is unknown (a timeout or a connection lost after the request went
+out, the client closed under it: the notice may have arrived); `Refused` for one trying
+again will not cure (4xx, a chat that blocked the bot, an address the server rejects).
+Deduplication and retries are the notifier's (`m27.report.notify`).
 """
 
 from __future__ import annotations
@@ -49,6 +52,21 @@ class Refused(M27Error):
     """The place will not take this notice, however often it is sent."""
 
 
+class NotTaken(Unavailable):
+    """Not now, and the place certainly did not take the notice: sending again cannot
+    repeat it."""
+
+
+#: httpx failures raised before a request reached the place.
+_NOT_SENT_HTTP = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout,
+                  httpx.UnsupportedProtocol)
+
+
+def _unavailable(exc: Exception, why: str) -> Unavailable:
+    """`why` as NotTaken when `exc` came before the request left, else as Unavailable."""
+    return NotTaken(why) if isinstance(exc, _NOT_SENT_HTTP) else Unavailable(why)
+
+
 class Channel(Protocol):
     kind: ChannelKind
 
@@ -91,13 +109,13 @@ class Webhook:
             answer = await self._client.post(target, json=webhook_body(notice),
                                              headers=headers)
         except httpx.HTTPError as exc:
-            raise Unavailable(f"webhook {_origin(target)}: {type(exc).__name__}: "
-                              f"{exc}") from exc
+            raise _unavailable(exc, f"webhook {_origin(target)}: {type(exc).__name__}: "
+                                    f"{exc}") from exc
         if answer.is_success:
             return
         why = f"webhook {_origin(target)} answered {answer.status_code}"
         if answer.status_code in (408, 425, 429) or answer.status_code >= 500:
-            raise Unavailable(why)
+            raise NotTaken(why)
         raise Refused(why)
 
     async def close(self) -> None:
@@ -157,8 +175,10 @@ class Email:
         except aiosmtplib.SMTPResponseException as exc:
             why = f"SMTP {s.smtp_host}:{port} answered {exc.code} {exc.message}"
             if 400 <= exc.code < 500:
-                raise Unavailable(why) from exc
+                raise NotTaken(why) from exc
             raise Refused(why) from exc
+        except aiosmtplib.SMTPConnectError as exc:
+            raise NotTaken(f"SMTP {s.smtp_host}:{port}: {exc}") from exc
         except (aiosmtplib.SMTPException, OSError, TimeoutError) as exc:
             raise Unavailable(f"SMTP {s.smtp_host}:{port}: {exc}") from exc
 
@@ -208,11 +228,16 @@ class Telegram:
             try:
                 answer = await self._client.post(f"{self._base}/{method}", data=data,
                                                  files=files)
-                body = answer.json()
-            except (httpx.HTTPError, ValueError) as exc:
+            except httpx.HTTPError as exc:
                 # `from None`: a chained httpx error could print the URL, the token in it
-                raise Unavailable(f"Telegram {method}: {type(exc).__name__}: "
-                                  f"{self._clean(str(exc))}") from None
+                raise _unavailable(exc, f"Telegram {method}: {type(exc).__name__}: "
+                                        f"{self._clean(str(exc))}") from None
+            try:
+                body = answer.json()
+            except ValueError:
+                why = f"Telegram {method}: {answer.status_code}, not a Bot API answer"
+                raise (NotTaken(why) if answer.status_code >= 500 or answer.status_code == 429
+                       else Unavailable(why)) from None
             if answer.is_success and body.get("ok"):
                 return
             code = int(body.get("error_code") or answer.status_code)
@@ -220,12 +245,12 @@ class Telegram:
             if code == 429:
                 wait = float((body.get("parameters") or {}).get("retry_after") or 1)
                 if wait > MAX_RETRY_AFTER_S:
-                    raise Unavailable(why)
+                    raise NotTaken(why)
                 log.warning("telegram.rate_limited", chat=chat, retry_after_s=wait)
                 await asyncio.sleep(wait)
                 continue
             if code >= 500:
-                raise Unavailable(why)
+                raise NotTaken(why)
             raise Refused(why)
 
     def _clean(self, text: str) -> str:

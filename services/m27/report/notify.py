@@ -9,10 +9,13 @@ chat subscriptions route them (`notifications.route`), channels deliver them (`c
 Delivery is at least once and deduplicated: a place is claimed (compare-and-set) before
 it is sent to and marked sent after, so a redelivered or repeated event, a restart or a
 second notifier finds the mark and sends nothing. Only a crash between a send and its
-mark can repeat it, after a lease (CLAIM_LEASE_S); webhooks get the notice's id as
+mark, or a send whose outcome is unknown (a timeout after the request went out), can
+repeat it, after a lease (CLAIM_LEASE_S); webhooks get the notice's id as
 `Idempotency-Key` and e-mails as Message-ID so a receiver can drop that repeat too. A
-failure that may pass (a place down, 429) leaves the event unacked: it comes back with a
-growing delay, and places already served are skipped then.
+failure that may pass leaves the event unacked: it comes back with a growing delay, and
+places already served are skipped then; where the place certainly did not take the notice
+(`channels.NotTaken`: down, 5xx, 429) the claim is freed at once, else it waits out its
+lease.
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ from m27.common.notifications import (
 )
 from m27.common.principals import sender_problem
 from m27.report import notices
-from m27.report.channels import Channel, Refused
+from m27.report.channels import Channel, NotTaken, Refused
 
 log = get_logger()
 
@@ -243,9 +246,16 @@ class Notifier:
                       run_id=notice.run_id, error=str(exc))
             await self._mark(key, notice, delivery, "refused")
             return 0
-        except Exception:
+        except NotTaken:
             with contextlib.suppress(Exception):  # free the claim: the retry need not wait
                 await self._nats.kv_delete(subjects.NOTIFIED_BUCKET, key)
+            raise
+        except Exception as exc:
+            # It may have arrived: the claim stays, and the place hears of it again only
+            # after the lease, when the retry takes the claim over.
+            log.warning("notify.outcome_unknown", channel=delivery.channel, kind=notice.kind,
+                        run_id=notice.run_id, notice=notice.id[:12], error=str(exc),
+                        retry_after_s=CLAIM_LEASE_S)
             raise
         await self._mark(key, notice, delivery, "sent")
         self.sent += 1

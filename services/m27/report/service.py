@@ -299,6 +299,7 @@ async def serve(rt: ServiceRuntime) -> None:
     finally:
         if dashboard is not None:
             await dashboard.stop()
+        await rt.join()  # a notice being sent is sent and marked before its channel closes
         await notifier.close()
 
 
