@@ -147,13 +147,45 @@ def pipelines() -> st.SearchStrategy[str]:
                          "%YAML 1.1\n---\n!!python/object:os.system ['id']\n"]))
 
 
+def accepted_pipelines() -> st.SearchStrategy[str]:
+    """Pipelines m27 should take and run: legal names and dependencies, `true` commands,
+    but odd legal values (Unicode and shell metacharacters in variables and environment
+    values, small matrices), so fuzzed runs go past the parser into planning, placement
+    and their events, not only into refusals."""
+    legal = st.one_of(st.sampled_from([h for h in HOSTILE if "\x00" not in h]), st.text(
+        st.characters(codec="utf-8", exclude_categories=("Cc", "Cs")), max_size=40))
+    names = st.lists(st.from_regex(r"\A[a-z][a-z0-9_-]{0,15}\Z"), min_size=1, max_size=4,
+                     unique=True)
+    matrix = st.dictionaries(st.sampled_from(["x", "seed"]), st.lists(
+        st.one_of(st.integers(-5, 5), st.from_regex(r"\A[a-z0-9.]{1,6}\Z")), min_size=1,
+        max_size=3, unique_by=str), max_size=1)
+
+    def document(names: list[str], env: dict[str, str], variables: dict[str, str],
+                 grid: dict[str, list[object]], chain: bool) -> str:
+        steps: list[dict[str, object]] = []
+        for index, name in enumerate(names):
+            step: dict[str, object] = {"name": name, "command": "true", "env": env}
+            if chain and index:
+                step["depends_on"] = [names[index - 1]]
+            if grid and index == 0:
+                step["matrix"] = grid
+            steps.append(step)
+        return json.dumps({"vars": variables, "pipeline": steps}, ensure_ascii=False)
+
+    return st.builds(document, names,
+                     st.dictionaries(st.sampled_from(["A", "LAB_NOTE", "x_1"]), legal,
+                                     max_size=2),
+                     st.dictionaries(st.sampled_from(["X", "note"]), legal, max_size=2),
+                     matrix, st.booleans())
+
+
 def strings(field: Field, known: Sequence[str], depth: int) -> st.SearchStrategy[str]:
     """A string field's values: ids (known and plausible), paths and control characters,
     any Unicode, and (rarely, as a top-level field) sizes past every limit."""
     options: list[st.SearchStrategy[str]] = [
         id_like(known), st.sampled_from(HOSTILE), _texts()]
     if field.name.endswith("_yaml"):
-        options.insert(0, pipelines())
+        options[:0] = [accepted_pipelines(), pipelines()]
     if field.name.endswith("_json"):
         options.insert(0, st.recursive(
             st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.floats(),

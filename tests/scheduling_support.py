@@ -30,6 +30,7 @@ FAST_POLICY: Final = {"M27_SCHEDULER_MIN_RUNTIME": "1s", "M27_SCHEDULER_PREEMPT_
 COUNTER: Final = '''\
 import os, pathlib, signal, sys, time
 name, total = sys.argv[1], int(sys.argv[2])
+hold = int(sys.argv[3]) if len(sys.argv) > 3 else -1  # attempt 1 waits there to be stopped
 state = pathlib.Path(f"{name}.state")
 i = int(state.read_text()) if state.exists() else 0
 attempt = os.environ.get("M27_ATTEMPT", "-")
@@ -42,6 +43,8 @@ def checkpoint_and_stop(signum, frame):
 signal.signal(signal.SIGTERM, checkpoint_and_stop)
 while i < total:
     time.sleep(0.1)
+    if attempt == "1" and i == hold:
+        continue
     i += 1
     with open(f"{name}.log", "a") as log:
         log.write(f"{attempt} {i} {time.time():.3f}\\n")

@@ -21,6 +21,8 @@ from hypothesis import strategies as st
 
 from m27.common.api_access import METHOD_ROLES
 from m27.common.grpc_server import CLIENT_OPTIONS, MAX_MESSAGE_BYTES
+from m27.pipeline import load_pipeline
+from m27.pipeline.plan import make_plan
 from m27.v1 import pipeline_pb2, scheduler_pb2
 from tests import fuzzing
 from tests.fuzzing import Target
@@ -30,6 +32,14 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 EXAMPLES = int(os.environ.get("M27_FUZZ_EXAMPLES", "40"))
 QUICK = "pipeline:\n  - {name: a, command: 'true'}\n"
+
+
+@settings(max_examples=80, deadline=None)
+@given(fuzzing.accepted_pipelines())
+def test_the_pipelines_meant_to_be_accepted_parse_and_plan(document: str) -> None:
+    """Else the run path would be fuzzed in name only: a share of the submissions must get
+    past the parser into planning, placement and a run's events."""
+    assert make_plan(load_pipeline(document, workdir="/lab/work")).steps
 
 
 @pytest.fixture(scope="module")

@@ -33,9 +33,10 @@ from tests.support import Cluster, finished_run, lines, wait_for
 
 pytestmark = pytest.mark.integration
 
-#: high priority: the normal-priority steps of the test wait for it rather than preempt it
+#: high priority: the normal-priority steps of the test wait for it rather than preempt it;
+#: its first attempt counts to 40 and waits there to be drained, however slow the machine
 MOVABLE = ("priority: high\npreemptible: true\npipeline:\n"
-           "  - {name: md, type: gpu, command: '\"$M27_PYTHON\" counter.py md 80'}\n")
+           "  - {name: md, type: gpu, command: '\"$M27_PYTHON\" counter.py md 80 40'}\n")
 SHORT = "pipeline:\n  - {name: quick, type: gpu, command: 'sleep 0.5'}\n"
 
 
@@ -110,7 +111,7 @@ async def test_cordon_drain_and_uncordon_move_work_between_nodes(
     assert '"tasks": 0' in drained, drained
 
     # Still draining: new work goes elsewhere. Uncordoned: node-1 takes work again.
-    blocker = await client.submit(MOVABLE.replace("md 80", "md2 100"), workdir=str(work))
+    blocker = await client.submit(MOVABLE.replace("md 80 40", "md2 100"), workdir=str(work))
     await wait_step(client, blocker, "md", lambda s: s.state == "running", "no start")
     assert (await client.get_run(blocker)).steps[0].node_id == "node-2"
     ok(m27_cli(system, "node", "uncordon", "node-1"))

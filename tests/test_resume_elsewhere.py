@@ -38,6 +38,7 @@ import hashlib, os, pathlib, sys, time
 import torch
 from m27.train import Checkpointer, Cursor
 
+HOLD = 35  # not a multiple of every_steps: attempt 2 resumes from the stop's checkpoint
 torch.set_num_threads(1)
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
@@ -58,6 +59,9 @@ while cursor.step < int(sys.argv[1]):
     with open("progress.log", "a") as log:
         log.write(f"{attempt} {cursor.step}\\n")
     time.sleep(0.05)
+    while attempt == "1" and cursor.step == HOLD:  # waits there to be stopped
+        ckpt.after_step(cursor)  # the stop signal: checkpoint this step, durable, exit 143
+        time.sleep(0.05)
 ckpt.close()
 digest = hashlib.sha256()
 state = [*model.state_dict().values()]
@@ -122,7 +126,7 @@ async def test_a_training_step_stopped_with_its_node_resumes_on_another_from_the
                 f"command: '\"$M27_PYTHON\" train.py {STEPS}'}}\n")
     run_id = await client.submit(pipeline, workdir=str(work))
     progress = work / "progress.log"
-    await wait_for(lambda: len(lines(progress)) >= 25, "the step does not train")
+    await wait_for(lambda: len(lines(progress)) >= 35, "the step does not train")
     second = start_agent(system, "b")
     os.kill(first.pid, signal.SIGTERM)  # the node goes away; its step gets SIGTERM + grace
 
@@ -135,8 +139,9 @@ async def test_a_training_step_stopped_with_its_node_resumes_on_another_from_the
     stopped_after = max(int(line.split()[1]) for line in lines(progress)
                         if line.startswith("1 "))
     resumed_at = int(step.stdout_tail.split("resumes at ")[1].split()[0])
-    # the checkpoint of the step it was at when stopped: not one step of work lost
-    assert resumed_at == stopped_after + 1, step.stdout_tail
+    # the checkpoint of the step it was at when stopped (35, between two periodic ones at
+    # 30 and 40): not one step of work lost
+    assert resumed_at == stopped_after == 35, step.stdout_tail
     assert not (system.root / "home-b" / "runs" / run_id / "checkpoints" / "train"
                 / "m27-train").exists(), "it restored from the store, not a local directory"
     assert (work / "final.sha256").read_text() == uninterrupted_digest
