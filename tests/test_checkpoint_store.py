@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import os
 import signal
+import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from functools import partial
@@ -21,7 +22,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from m27.checkpoint_store import KvManifestIndex
-from m27.client.checkpoints import CHANNEL_OPTIONS, CheckpointClient, RemoteStore
+from m27.client.checkpoints import (
+    CHANNEL_OPTIONS,
+    CheckpointClient,
+    RemoteStore,
+    next_wait,
+)
 from m27.common import events, subjects
 from m27.common.api_auth import default_access
 from m27.common.bus import NatsBus
@@ -32,6 +38,7 @@ from m27.common.checkpoint_api import (
     ChunksMissing,
     InvalidCheckpointRequest,
     StaleAttempt,
+    StorageUnavailable,
 )
 from m27.common.checkpoint_format import Manifest, chunk_ids, plan_entry, read_entry
 from m27.common.model import Fence
@@ -352,6 +359,42 @@ def test_checkpoints_survive_a_restart(start_service: StartService, tmp_path: Pa
     with remote(second) as store:
         assert store.latest(TASK) == committed
         assert restore(store, committed) == raw(tensors(6))
+
+
+def test_a_patient_client_waits_out_a_store_restarting(start_service: StartService,
+                                                      tmp_path: Path) -> None:
+    """Found by the chaos suite: the checkpoint-store killed as a step saved its last
+    checkpoint failed the step. The training library's client (`outage_s`) tries again
+    until the store is back on its address; one without patience says so at once."""
+    root = str(tmp_path / "ckpt")
+    first = start_service("checkpoint_store", "--root", root)
+    address = first.grpc_address
+    os.kill(first.pid, signal.SIGKILL)
+    stop([first])
+    impatient = RemoteStore(address, task_id=TASK, timeout_s=10)
+    patient = RemoteStore(address, task_id=TASK, timeout_s=10, outage_s=60)
+    try:
+        with pytest.raises(StorageUnavailable):
+            impatient.put_bytes(TASK, b"state")
+        saved: list[Manifest] = []
+        writer = threading.Thread(target=lambda: saved.append(patient.put_bytes(
+            TASK, b"state", name="last")))
+        writer.start()  # while nothing listens on the address
+        start_service("checkpoint_store", "--root", root, "--grpc", address,
+                      name="checkpoint_store-2")
+        writer.join(60)
+        assert [m.name for m in saved] == ["last"]
+        assert patient.get_bytes(TASK)[1] == b"state"
+    finally:
+        impatient.close()
+        patient.close()
+
+
+def test_the_wait_through_an_outage_ends_at_its_limit() -> None:
+    assert next_wait(began=0.0, now=0.0, wait=0.5, outage_s=60.0) == 0.5
+    assert next_wait(began=0.0, now=59.0, wait=1.0, outage_s=60.0) == 1.0
+    assert next_wait(began=0.0, now=59.5, wait=1.0, outage_s=60.0) is None
+    assert next_wait(began=0.0, now=0.0, wait=0.5, outage_s=0.0) is None  # no patience
 
 
 def test_a_crash_mid_upload_keeps_the_previous_checkpoint(start_service: StartService,

@@ -41,12 +41,21 @@ class Copy:
         self.leadership = Leadership(nats, "scheduler", name, ttl_s=ttl_s, margin_s=0.5,
                                      clock=clock)  # type: ignore[arg-type]
         self.acting = False
+        self.acts = 0
+        self.swallowed = 0
+        self.stubborn = False
         self.stop = asyncio.Event()
         self.task: asyncio.Task[None] | None = None
 
     async def act(self) -> None:
         self.acting = True
+        self.acts += 1
         try:
+            if self.stubborn:
+                try:
+                    await asyncio.Event().wait()
+                except asyncio.CancelledError:  # as asyncio.wait_for can on Python 3.11
+                    self.swallowed += 1
             await asyncio.Event().wait()
         finally:
             self.acting = False
@@ -138,3 +147,26 @@ def test_a_holder_is_known_dead_only_in_its_own_pid_namespace() -> None:
     assert not _died_here(bare_name)
     alive = msgspec.structs.replace(dead_here, pid=os.getppid())
     assert not _died_here(alive)
+
+
+async def test_a_copy_whose_acting_swallows_a_cancellation_still_steps_down_and_acts_again(
+        nats_url: str) -> None:
+    """Found by the chaos suite: a scheduler stopped past its lease never acted again (its
+    acting task lost the cancellation and the copy waited for it forever)."""
+    nats = await NatsBus.open(nats_url, name="test-leader")
+    try:
+        now = [0.0]
+        a = Copy(nats, "a", ttl_s=5.0, clock=lambda: now[0])
+        a.stubborn = True
+        a.start()
+        await wait_for(lambda: a.acting, "a acts")
+        now[0] += 5.0  # stalled past its lease
+        await wait_for(lambda: not a.acting, "a stops acting although it swallowed a cancel")
+        assert a.swallowed == 1
+        now[0] += 100.0  # nobody renewed the lease: a takes it again
+        await wait_for(lambda: a.acting and a.acts == 2, "a acts again")
+        a.stop.set()
+        assert a.task is not None
+        await a.task
+    finally:
+        await nats.close()

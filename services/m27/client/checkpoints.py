@@ -17,9 +17,10 @@ import contextlib
 import json
 import os
 import time
-from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
+from functools import partial
 from types import TracebackType
-from typing import Final
+from typing import Final, TypeVar
 
 import grpc
 import msgspec
@@ -31,6 +32,7 @@ from m27.common.checkpoint_api import (
     CheckpointNotFound,
     CheckpointSummary,
     InvalidCheckpointRequest,
+    StorageUnavailable,
     manifest_from_json,
     manifest_json,
     rpc_error,
@@ -158,16 +160,33 @@ def _errors() -> Iterator[None]:
         raise rpc_error(exc) from None
 
 
+T = TypeVar("T")
+#: The first wait before a call is tried again while the store cannot be reached; it
+#: doubles up to the second (a restarting store is back in seconds).
+OUTAGE_FIRST_S: Final = 0.5
+OUTAGE_MAX_S: Final = 5.0
+
+
+def next_wait(began: float, now: float, wait: float, outage_s: float) -> float | None:
+    """Seconds to wait before trying again a call first tried at `began`, or None (give up)
+    when that wait would end past `outage_s` after `began`."""
+    return None if now + wait > began + outage_s else wait
+
+
 class RemoteStore:
     """A `CheckpointSink` over gRPC, for one task's attempt (default: `$M27_TASK_ID`,
     `$M27_ATTEMPT`, as the node-agent sets them); reads work for any task."""
 
     def __init__(self, address: str, *, task_id: str | None = None,
                  attempt: int | None = None, timeout_s: float | None = 300.0,
-                 access: ApiAccess | None = None) -> None:
+                 access: ApiAccess | None = None, outage_s: float = 0.0) -> None:
         """`access` default: `$M27_TOKEN` (a step's, set by its node-agent), else this
-        user's token (`m27.common.api_auth.user_access`)."""
+        user's token (`m27.common.api_auth.user_access`). `outage_s`: how long a call
+        waits out a store that cannot be reached (StorageUnavailable: stopped, restarting,
+        its KV away), trying again after 0.5, 1, 2 … 5 s; 0 raises at once (after gRPC's
+        own few quick retries)."""
         self.address = address
+        self.outage_s = outage_s
         self.task_id = os.environ.get("M27_TASK_ID", "") if task_id is None else task_id
         self.attempt = int(os.environ.get("M27_ATTEMPT", "0")) if attempt is None else attempt
         self._timeout = timeout_s
@@ -184,6 +203,20 @@ class RemoteStore:
 
     def close(self) -> None:
         self._channel.close()
+
+    def _call(self, make: Callable[[], T]) -> T:
+        """`make()` with the store's errors, tried again through an outage (`outage_s`)."""
+        began, wait = time.monotonic(), OUTAGE_FIRST_S
+        while True:
+            try:
+                with _errors():
+                    return make()
+            except StorageUnavailable:
+                pause = next_wait(began, time.monotonic(), wait, self.outage_s)
+                if pause is None:
+                    raise
+            time.sleep(pause)
+            wait = min(wait * 2, OUTAGE_MAX_S)
 
     def _task(self) -> str:
         if not self.task_id:
@@ -205,26 +238,31 @@ class RemoteStore:
 
     def _missing(self, task_id: str, attempt: int, chunk_ids: Sequence[str]) -> set[str]:
         absent: set[str] = set()
-        with _errors():
-            for batch in batches(chunk_ids):
-                reply = self._stub.MissingChunks(pb.MissingChunksRequest(
-                    task_id=task_id, attempt=attempt, ids=batch), timeout=self._timeout)
-                absent.update(reply.ids)
+        for batch in batches(chunk_ids):
+            request = pb.MissingChunksRequest(task_id=task_id, attempt=attempt, ids=batch)
+            reply = self._call(partial(self._stub.MissingChunks, request,
+                                       timeout=self._timeout))
+            absent.update(reply.ids)
         return absent
 
     def _upload(self, task_id: str, attempt: int, chunks: Mapping[str, Payload]) -> PutSummary:
         total = PutSummary(0, 0, 0)
-        with _errors():
-            for batch in upload_batches(chunks):
-                total = added(total, self._stub.PutChunks(
-                    put_requests(task_id, attempt, batch), timeout=self._timeout))
+        for batch in upload_batches(chunks):
+            # a generator of requests is used up by a call: a fresh one for each try
+            total = added(total, self._call(partial(self._put, task_id, attempt, batch)))
         return total
 
+    def _put(self, task_id: str, attempt: int, batch: Mapping[str, Payload]
+             ) -> pb.PutChunksResponse:
+        return self._stub.PutChunks(put_requests(task_id, attempt, batch),
+                                    timeout=self._timeout)
+
     def commit(self, manifest: Manifest) -> Manifest:
-        with _errors():
-            reply = self._stub.Commit(pb.CommitRequest(
-                task_id=manifest.task_id, attempt=manifest.attempt,
-                manifest_json=manifest_json(manifest)), timeout=self._timeout)
+        # Tried again through an outage: a commit whose answer was lost may be stored
+        # twice, as two checkpoints of the same state (retention drops the older).
+        reply = self._call(lambda: self._stub.Commit(pb.CommitRequest(
+            task_id=manifest.task_id, attempt=manifest.attempt,
+            manifest_json=manifest_json(manifest)), timeout=self._timeout))
         return manifest_from_json(reply.manifest_json)
 
     def protect(self, before_step: int | None, before: float, reason: str) -> str:
@@ -234,8 +272,8 @@ class RemoteStore:
                                     before=before, reason=reason)
         if before_step is not None:
             request.before_step = before_step
-        with _errors():
-            return str(self._stub.Protect(request, timeout=self._timeout).checkpoint_id)
+        return str(self._call(lambda: self._stub.Protect(request, timeout=self._timeout)
+                              ).checkpoint_id)
 
     def latest(self, task_id: str) -> Manifest | None:
         try:
@@ -259,38 +297,46 @@ class RemoteStore:
 
     def get_manifest(self, task_id: str, checkpoint_id: str = "") -> Manifest:
         """One checkpoint's manifest; an empty id: the task's latest good one."""
-        with _errors():
-            reply = self._stub.GetManifest(pb.GetManifestRequest(
-                task_id=task_id, checkpoint_id=checkpoint_id), timeout=self._timeout)
+        reply = self._call(lambda: self._stub.GetManifest(pb.GetManifestRequest(
+            task_id=task_id, checkpoint_id=checkpoint_id), timeout=self._timeout))
         return manifest_from_json(reply.manifest_json)
 
     def summaries(self, task_id: str = "", run_id: str = "") -> Summaries:
-        with _errors():
-            reply = self._stub.List(pb.ListRequest(task_id=task_id, run_id=run_id),
-                                    timeout=self._timeout)
+        reply = self._call(lambda: self._stub.List(pb.ListRequest(
+            task_id=task_id, run_id=run_id), timeout=self._timeout))
         return [summary_from_proto(s) for s in reply.checkpoints]
 
     def read_chunks(self, chunk_ids: Sequence[str]) -> Iterator[tuple[str, bytes]]:
-        """(id, stored bytes) in the order asked, each verified on arrival."""
-        with _errors():
-            for batch in batches(chunk_ids, CHUNKS_PER_READ):
-                call = self._stub.GetChunks(pb.GetChunksRequest(ids=batch),
-                                            timeout=self._timeout)
+        """(id, stored bytes) in the order asked, each verified on arrival; through an
+        outage (`outage_s`) a stream cut off goes on from the first chunk not received."""
+        for batch in batches(chunk_ids, CHUNKS_PER_READ):
+            left, began, wait = list(batch), time.monotonic(), OUTAGE_FIRST_S
+            while left:
                 try:
-                    yield from received(call, batch)
-                finally:
-                    # Harmless once it ended; stops the stream if we were abandoned.
-                    call.cancel()  # type: ignore[no-untyped-call]  # grpc-stubs lacks it
+                    with _errors():
+                        call = self._stub.GetChunks(pb.GetChunksRequest(ids=left),
+                                                    timeout=self._timeout)
+                        try:
+                            for item in received(call, left):
+                                left = left[1:]
+                                yield item
+                        finally:
+                            # Harmless once it ended; stops the stream if we were abandoned.
+                            call.cancel()  # type: ignore[no-untyped-call]  # stubs lack it
+                except StorageUnavailable:
+                    pause = next_wait(began, time.monotonic(), wait, self.outage_s)
+                    if pause is None:
+                        raise
+                    time.sleep(pause)
+                    wait = min(wait * 2, OUTAGE_MAX_S)
 
     def fetch(self, entries: Iterable[Entry]) -> dict[str, bytes]:
         """Every chunk the entries need, in one stream."""
         return dict(self.read_chunks(needed_ids(entries)))
 
     def delete(self, task_id: str, checkpoint_id: str) -> bool:
-        with _errors():
-            reply = self._stub.Delete(pb.DeleteRequest(task_id=task_id,
-                                                       checkpoint_id=checkpoint_id),
-                                      timeout=self._timeout)
+        reply = self._call(lambda: self._stub.Delete(pb.DeleteRequest(
+            task_id=task_id, checkpoint_id=checkpoint_id), timeout=self._timeout))
         return reply.deleted
 
     def put_bytes(self, task_id: str, data: bytes | bytearray | memoryview, *,

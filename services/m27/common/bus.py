@@ -485,11 +485,15 @@ async def consume(
         max_ack_pending=1000,
     )
     sub = await js.pull_subscribe(filter_subject, durable=durable, stream=stream, config=config)
+    me = asyncio.current_task()
     try:
         while not stop.is_set():
             try:
                 messages = await sub.fetch(batch, timeout=0.5)
             except TimeoutError:  # nats.errors.TimeoutError, or asyncio's from inside fetch
+                if me is not None and me.cancelling():
+                    # asyncio.wait_for (3.11) turned our cancellation into its timeout
+                    raise asyncio.CancelledError from None
                 continue
             except (nats.errors.ConnectionClosedError,
                     nats.errors.ConnectionReconnectingError):

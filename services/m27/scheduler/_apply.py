@@ -33,6 +33,10 @@ log = get_logger()
 #: TaskStarted again).
 START_RESEND_S: Final = 10.0
 START_RESEND_MAX_S: Final = 300.0
+#: A waiting task's changed reason is written to the tasks bucket at most this often (the
+#: API shows the latest from memory): a reason quotes live figures that change nearly every
+#: cycle, and a write per waiting task per cycle was most of a cycle with 10,000 queued.
+WAIT_STORE_S: Final = 60.0
 
 
 def start_resend_due(placed_at: float, sends: int, last_sent: float, now: float) -> bool:
@@ -50,15 +54,25 @@ class Table:
     def __init__(self, bus: Bus) -> None:
         self.bus = bus
         self.entries: dict[str, TaskEntry] = {}
+        #: task id → when its entry was last written to the bucket (scheduler's clock)
+        self.stored_at: dict[str, float] = {}
 
-    async def store(self, entry: TaskEntry) -> None:
+    async def store(self, entry: TaskEntry, now: float | None = None) -> None:
         await self.bus.kv_put(subjects.TASKS_BUCKET, subjects.task_key(entry.task.task_id),
                               entry)
+        self.entries[entry.task.task_id] = entry
+        if now is not None:
+            self.stored_at[entry.task.task_id] = now
+
+    def note(self, entry: TaskEntry) -> None:
+        """Change the entry in memory only: for what a restarted scheduler works out again
+        at once (a wait reason, a node staged for a task that reads nothing)."""
         self.entries[entry.task.task_id] = entry
 
     async def forget(self, task_id: str) -> None:
         await self.bus.kv_delete(subjects.TASKS_BUCKET, subjects.task_key(task_id))
         self.entries.pop(task_id, None)
+        self.stored_at.pop(task_id, None)
 
     def current(self, task_id: str, attempt: int | None = None) -> TaskEntry | None:
         entry = self.entries.get(task_id)
@@ -92,7 +106,7 @@ class Effects:
             case Stage():
                 done = await self.stage(decision, now)
             case Wait():
-                done = await self.wait(decision)
+                done = await self.wait(decision, now)
         if done:
             self.metrics.decided(decision)
         return done
@@ -255,11 +269,11 @@ class Effects:
                 or node_id in entry.staged_nodes or node_id in entry.staging_nodes):
             return False
         task = entry.task
-        if not task.inputs:
-            await self.table.store(msgspec.structs.replace(
+        if not task.inputs:  # in memory: a restarted scheduler stages it again at once
+            self.table.note(msgspec.structs.replace(
                 entry, staged_nodes=(*entry.staged_nodes, node_id)))
-            log.info("task.staged", task_id=task.task_id, node_id=decision.node_id,
-                     files=0, note="it declares no inputs: nothing to read ahead")
+            log.debug("task.staged", task_id=task.task_id, node_id=decision.node_id,
+                      files=0, note="it declares no inputs: nothing to read ahead")
             return True
         await self.bus.publish(subjects.node_commands(decision.node_id), events.StageTask(
             at=now, task_id=task.task_id, run_id=task.run_id, step=task.step,
@@ -271,11 +285,17 @@ class Effects:
                  inputs=len(task.inputs), reason=decision.reason)
         return True
 
-    async def wait(self, decision: Wait) -> bool:
-        """Stored (and counted) only when the reason changes: waiting is the usual state."""
+    async def wait(self, decision: Wait, now: float) -> bool:
+        """Counted only when the reason changes (waiting is the usual state); written to
+        the bucket the first time and then at most every WAIT_STORE_S."""
         entry = self.table.current(decision.task_id)
         if entry is None or entry.placement is not None or entry.wait_reason == decision.reason:
             return False
+        changed = msgspec.structs.replace(entry, wait_reason=decision.reason)
+        stored = self.table.stored_at.get(decision.task_id)
+        if entry.wait_reason and stored is not None and now - stored < WAIT_STORE_S:
+            self.table.note(changed)
+            return True
         log.info("task.waiting", task_id=decision.task_id, reason=decision.reason)
-        await self.table.store(msgspec.structs.replace(entry, wait_reason=decision.reason))
+        await self.table.store(changed, now)
         return True

@@ -6,6 +6,9 @@ that is preempted, or one paused too long) and `drain` (moved off a draining nod
 `m27_scheduler_decisions_total{type}` counts the policy's decisions that changed something
 (a placement, a stop, a pause, ...; a repeated decision counts once). Both start at 0 for
 every label value, so a rate is defined from the first scrape, and restart with the service.
+`m27_scheduler_cycles_total` and `m27_scheduler_cycle_seconds_total` count scheduling cycles
+and the time they took (their ratio between two scrapes is the mean cycle time then);
+`m27_scheduler_cycle_seconds_max` is the longest cycle since the service started.
 """
 
 from __future__ import annotations
@@ -20,9 +23,15 @@ DecisionType = Literal["place", "wait", "preempt", "pause", "resume", "stage"]
 
 PREEMPTIONS: Final = "m27_scheduler_preemptions_total"
 DECISIONS: Final = "m27_scheduler_decisions_total"
+CYCLES: Final = "m27_scheduler_cycles_total"
+CYCLE_SECONDS: Final = "m27_scheduler_cycle_seconds_total"
+CYCLE_MAX: Final = "m27_scheduler_cycle_seconds_max"
 _FAMILIES: Final[dict[str, tuple[Kind, str]]] = {
     PREEMPTIONS: ("counter", "Preemptions the scheduler sent (checkpoint-then-stop), by kind."),
     DECISIONS: ("counter", "Scheduling decisions carried out, by type."),
+    CYCLES: ("counter", "Scheduling cycles run."),
+    CYCLE_SECONDS: ("counter", "Seconds spent in scheduling cycles."),
+    CYCLE_MAX: ("gauge", "The longest scheduling cycle since the service started, seconds."),
 }
 
 
@@ -56,6 +65,9 @@ class SchedulerMetrics:
     def __init__(self) -> None:
         self.preemptions: dict[str, int] = dict.fromkeys(get_args(PreemptionKind), 0)
         self.decisions: dict[str, int] = dict.fromkeys(get_args(DecisionType), 0)
+        self.cycles = 0
+        self.cycle_seconds = 0.0
+        self.cycle_max = 0.0
 
     def preempted(self, kind: PreemptionKind) -> int:
         """Count one preemption; the number of them so far."""
@@ -65,10 +77,19 @@ class SchedulerMetrics:
     def decided(self, decision: Decision) -> None:
         self.decisions[decision_type(decision)] += 1
 
+    def cycled(self, seconds: float) -> None:
+        """Count one scheduling cycle that took `seconds`."""
+        self.cycles += 1
+        self.cycle_seconds += seconds
+        self.cycle_max = max(self.cycle_max, seconds)
+
     def render(self) -> str:
         """The text a scrape of the scheduler's /metrics gets."""
         return render_families(_FAMILIES, {
             PREEMPTIONS: [sample(PREEMPTIONS, {"kind": k}, n)
                           for k, n in self.preemptions.items()],
             DECISIONS: [sample(DECISIONS, {"type": t}, n) for t, n in self.decisions.items()],
+            CYCLES: [sample(CYCLES, {}, self.cycles)],
+            CYCLE_SECONDS: [sample(CYCLE_SECONDS, {}, self.cycle_seconds)],
+            CYCLE_MAX: [sample(CYCLE_MAX, {}, self.cycle_max)],
         })

@@ -370,7 +370,9 @@ class Scheduler:
                     await self.refresh_nodes()
                     last_refresh = now
                 async with self.lock:
+                    began = time.perf_counter()
                     await self.run_once(now)
+                    self.effects.metrics.cycled(time.perf_counter() - began)
                 failures = 0
             except Exception as exc:
                 failures += 1

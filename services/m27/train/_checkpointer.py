@@ -380,7 +380,7 @@ class Checkpointer:
                         error=str(error))
         else:
             self.counters.committed += 1
-            self._force_full = False
+            self._error, self._force_full = None, False  # an earlier failure is made good
             self.buffers.committed(snapshot.refs, full=manifest.full)
             self.buffers.prune({r.name for r in snapshot.refs if r.signature is not None})
             self._persister.previous = manifest

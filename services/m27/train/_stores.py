@@ -7,9 +7,15 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Final
 
 from m27.common.checkpoint_storage import TRAIN_STORE_SUBDIR, CheckpointSink, LocalStore
 from m27.train._log import log
+
+#: How long a checkpoint or a restore waits out a checkpoint-store that cannot be reached
+#: (restarting after a crash, moved by Kubernetes) before it fails; training goes on
+#: meanwhile and the checkpoints that fall due wait for the one in flight.
+STORE_OUTAGE_S: Final = 120.0
 
 
 def open_store(store: CheckpointSink | str | os.PathLike[str] | None,
@@ -24,7 +30,8 @@ def open_store(store: CheckpointSink | str | os.PathLike[str] | None,
         try:  # imported lazily: a laptop run needs no gRPC stack
             from m27.client.checkpoints import RemoteStore
 
-            sink: CheckpointSink = RemoteStore(address, task_id=task_id, attempt=attempt)
+            sink: CheckpointSink = RemoteStore(address, task_id=task_id, attempt=attempt,
+                                               outage_s=STORE_OUTAGE_S)
         except (ImportError, AttributeError) as exc:  # an m27 without the sync client
             log.warning("checkpoint_store_client_missing", address=address, error=str(exc))
         else:

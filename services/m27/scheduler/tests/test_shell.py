@@ -172,6 +172,28 @@ async def test_each_decision_applied_twice_has_one_effect(
     assert (b.wait_reason, b.staged_nodes, b.placement) == ("needs 1 GPU", ("n1",), None)
 
 
+async def test_a_changing_wait_reason_is_written_at_most_every_wait_store_s(
+        shell: tuple[MemoryBus, Table, Effects]) -> None:
+    """Found by the 10,000-task load bench: a reason quoting live figures changed nearly
+    every cycle and was written to KV each time (55 writes per task, most of a cycle)."""
+    bus, table, effects = shell
+    await table.store(TaskEntry(task=task("w"), queued_at=0.0))
+    revisions = []
+    for second in range(0, 150, 2):  # a new reason every cycle of 2 s
+        await effects.apply(Wait(task_id="r/w", reason=f"{second % 7} GPUs free"), {},
+                            float(second))
+        revisions.append(bus.kv[(subjects.TASKS_BUCKET, subjects.task_key("r/w"))][1])
+        assert table.entries["r/w"].wait_reason == f"{second % 7} GPUs free"  # what the API shows
+    assert len(set(revisions)) == 3  # at 0 s, 60 s and 120 s
+    stored = await bus.kv_get(subjects.TASKS_BUCKET, subjects.task_key("r/w"), TaskEntry)
+    assert stored is not None
+    assert stored[0].wait_reason == f"{120 % 7} GPUs free"
+    # a task that reads nothing is staged in memory: a restarted scheduler does it again
+    await effects.apply(Stage(task_id="r/w", node_id="n1", reason="ready pool"), {}, 200.0)
+    assert table.entries["r/w"].staged_nodes == ("n1",)
+    assert bus.kv[(subjects.TASKS_BUCKET, subjects.task_key("r/w"))][1] == revisions[-1]
+
+
 class RefusesCommands(MemoryBus):
     """A bus whose first `refusals` publishes of node commands fail, as a clustered
     JetStream's do while the commands stream elects a leader."""

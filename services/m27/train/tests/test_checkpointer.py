@@ -244,6 +244,28 @@ def test_a_failed_checkpoint_is_reported_and_the_next_one_is_full(
     assert run.ckpt.counters.committed == 2
 
 
+def test_a_failure_made_good_by_a_later_checkpoint_does_not_fail_close(
+        tmp_path: Path, env: dict[str, str], runs: list[Run]) -> None:
+    """Found by the chaos suite: the disk full at one checkpoint, the last one durable after
+    it was emptied, and close() still raised the old error (the step failed)."""
+    store = FailingStore(tmp_path / "failing")
+    run = new_run(runs, store, env, every_steps=1)
+    cursor = Cursor()
+    train_step(run.model, run.optimizer)
+    cursor.advance()
+    run.ckpt.after_step(cursor)  # fails on the persister thread; nobody flushes it
+    deadline = time.monotonic() + 30
+    while run.ckpt.counters.failed == 0:
+        assert time.monotonic() < deadline, "the checkpoint neither failed nor committed"
+        time.sleep(0.01)
+    store.fail = False
+    train_step(run.model, run.optimizer)
+    cursor.advance()
+    run.ckpt.after_step(cursor)
+    run.ckpt.close()  # the last checkpoint is durable: nothing to raise
+    assert [m.step for m in store.list("local")] == [2]
+
+
 class SlowStore(LocalStore):
     def put_chunks(self, chunks: Mapping[str, Payload]) -> None:
         time.sleep(0.2)
