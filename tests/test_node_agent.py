@@ -188,6 +188,41 @@ async def test_heartbeats_arrive_every_interval_and_refresh_the_node_record(
     assert found[0].last_heartbeat >= first.at
 
 
+def guards_of(agent_pid: int) -> list[int]:
+    """The live guard processes an agent started (`_guard.py … --agent-pid PID`)."""
+    found = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            argv = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
+            state = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z" and any(a.endswith(b"_guard.py") for a in argv) and \
+                str(agent_pid).encode() in argv:
+            found.append(int(entry))
+    return found
+
+
+async def test_a_killed_guard_is_started_again(agent: ServiceProcess, watch: Watch) -> None:
+    """Found by the chaos suite: a guard killed -9 stayed dead, and nobody said so; the node
+    then had only its agent to fence it."""
+    await watch.wait_for(events.NodeRegistered)
+    await wait_until(lambda: len(guards_of(agent.pid)) == 1, "the guard starts")
+    (first,) = guards_of(agent.pid)
+    os.kill(first, signal.SIGKILL)
+    await wait_until(lambda: [p for p in guards_of(agent.pid) if p != first],
+                     "the agent starts its guard again")
+    assert len(guards_of(agent.pid)) == 1
+    assert "node.guard_died" in Path(agent.log_path).read_text()
+
+
+async def wait_until(check: Callable[[], object], what: str, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, what
+        await asyncio.sleep(0.1)
+
+
 BUSY = '"$M27_PYTHON" -c "while True: pass"'
 
 

@@ -188,8 +188,20 @@ class NodeAgent:
             except Exception as exc:  # a missed renewal must not end the loop
                 log.warning("node.lease_renewal_failed", error=str(exc) or type(exc).__name__)
                 pause = min(RENEW_RETRY_S, interval)
+            self._keep_guard()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._heartbeats_stop.wait(), pause)
+
+    def _keep_guard(self) -> None:
+        """Start the guard again if it died (found by the chaos suite: a killed guard left
+        the node to its agent alone, unnoticed); a guard that starts reads the same lease
+        and ledger files, so nothing is lost but the seconds it was away."""
+        guard = self._guard
+        if guard is None or guard.poll() is None or self._heartbeats_stop.is_set():
+            return
+        log.error("node.guard_died", pid=guard.pid, exit_code=guard.returncode,
+                  action="started again")
+        self._guard = start_guard(self.lease.path, self.runner.ledger_path, self._node_id)
 
     async def _announce_stopping(self, reason: str) -> None:
         """Before the tasks are stopped: so the scheduler places nothing more here (the
