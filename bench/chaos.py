@@ -26,7 +26,8 @@ The system runs with the test leases (renewal 1 s, self-fence 3 s, node lost 5 s
 scheduler lease 3 s): a freeze or a cut is drawn to outlast the 5 s, so it is a failure.
 
     python bench/chaos.py [--schedules 5] [--seed 1] [--fault-every 5] [--duration 40]
-        [--json] [--keep DIR]
+        [--json] [--keep DIR] [--out FILE]
+    python bench/chaos.py --report FILE...   # the table of what --out wrote
 
 A fresh system per schedule: a fault that leaves damage (a full disk, a guard that
 nothing restarts) must not leak into the next seed's results, and a seed must replay alone.
@@ -134,8 +135,29 @@ async def bench(args: argparse.Namespace, root: Path) -> dict[str, Any]:
                      "faults": [f.fault.describe() for f in outcome.faults]})
         print(f"seed {seed}: {len(outcome.faults)} faults, {len(outcome.violations)} "
               f"violations, {took:.0f} s", file=sys.stderr, flush=True)
+        if args.out is not None:  # one line per schedule, so a run cut short keeps them
+            with args.out.open("a") as out:
+                out.write(json.dumps({"row": rows[-1], "outcome": _plain(outcome)}) + "\n")
+    return result_of(outcomes, rows)
+
+
+def result_of(outcomes: list[Outcome], rows: list[dict[str, Any]]) -> dict[str, Any]:
     return {"summary": summary(outcomes), "schedules": rows,
             "outcomes": [_plain(o) for o in outcomes]}
+
+
+def read_lines(paths: list[Path]) -> tuple[list[Outcome], list[dict[str, Any]]]:
+    """The schedules `--out` wrote, in the files' order."""
+    import msgspec
+
+    outcomes, rows = [], []
+    for path in paths:
+        for line in path.read_text().splitlines():
+            if line.strip():
+                saved = json.loads(line)
+                outcomes.append(msgspec.convert(saved["outcome"], Outcome))
+                rows.append(saved["row"])
+    return outcomes, rows
 
 
 def _plain(outcome: Outcome) -> dict[str, Any]:
@@ -160,12 +182,20 @@ def main() -> None:
     parser.add_argument("--keep", metavar="DIR", type=Path,
                         help="run in DIR and keep it (logs, markers, stores; default: a "
                         "temporary directory, deleted)")
+    parser.add_argument("--out", metavar="FILE", type=Path,
+                        help="append each schedule's result to FILE as a JSON line as soon "
+                        "as it ends")
+    parser.add_argument("--report", metavar="FILE", type=Path, nargs="+",
+                        help="run nothing: the table of the schedules --out wrote to FILEs")
     args = parser.parse_args()
     configure("bench", "warning", stream=sys.stderr)  # stdout is the result
-    with contextlib.ExitStack() as stack:
-        root = args.keep or Path(stack.enter_context(
-            tempfile.TemporaryDirectory(prefix="m27-chaos-")))
-        result = asyncio.run(bench(args, root))
+    if args.report:
+        result = result_of(*read_lines(args.report))
+    else:
+        with contextlib.ExitStack() as stack:
+            root = args.keep or Path(stack.enter_context(
+                tempfile.TemporaryDirectory(prefix="m27-chaos-")))
+            result = asyncio.run(bench(args, root))
     result.update(seed=args.seed, duration=args.duration, every=args.fault_every)
     result["machine"] = {"python": platform.python_version(), "cores": os.cpu_count() or 0,
                          "platform": f"{platform.system()} {platform.machine()}",
