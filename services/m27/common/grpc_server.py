@@ -121,8 +121,8 @@ async def start_server(bind: str, registrations: Sequence[Register],
     (`m27.common.api_auth`)."""
     credentials = server_credentials(bind, api or ApiSection())
     server = grpc.aio.server(options=SERVER_OPTIONS,
-                             interceptors=[Admission(max_calls),
-                                           Authenticator(keys, table=method_roles),
+                             interceptors=[Authenticator(keys, table=method_roles),
+                                           Admission(max_calls),
                                            BusOutages(), RequestDecoding()])
     for register in registrations:
         register(server)
