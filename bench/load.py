@@ -569,6 +569,12 @@ class Soak:
         return [(s["t"], s["processes"][name]["rss_mib"], s["processes"][name]["cpu_s"])
                 for s in self.samples if not math.isnan(s["processes"][name]["rss_mib"])]
 
+    def died(self) -> dict[str, float]:
+        """Processes gone before the end: name → the last time (s) they were seen."""
+        return {name: series[-1][0] for name in self.pids
+                if (series := self.series(name)) and self.samples
+                and math.isnan(self.samples[-1]["processes"][name]["rss_mib"])}
+
     def verdicts(self) -> dict[str, MemoryVerdict]:
         args = self.system.args
         return {name: memory_verdict(series, args.warmup, args.leak_mib_per_hour)
@@ -603,7 +609,8 @@ async def soak_mode(system: System) -> dict[str, Any]:
     result = {"duration_s": args.duration, "runs": len(soak.run_ids),
               "refused": dict(soak.refused), **bus_figures(before, after),
               "memory": {n: vars(v) for n, v in verdicts.items()},
-              "suspected_leaks": sorted(n for n, v in verdicts.items() if v.suspected_leak)}
+              "suspected_leaks": sorted(n for n, v in verdicts.items() if v.suspected_leak),
+              "died": soak.died()}
     result["check"] = await verify(system.stub, soak.run_ids, system.work / LEDGER,
                                    args.call_timeout)
     result["samples"] = soak.samples
@@ -647,7 +654,9 @@ def print_result(result: Mapping[str, Any]) -> None:
     if "duration_s" in result:
         print(f"soak {result['duration_s']:.0f} s: {result['runs']} runs submitted, "
               f"refused {result['refused']}; suspected leaks: "
-              f"{', '.join(result['suspected_leaks']) or 'none'}")
+              f"{', '.join(result['suspected_leaks']) or 'none'}; gone before the end: "
+              + (", ".join(f"{n} (last seen at t={t:.0f} s)"
+                           for n, t in result["died"].items()) or "none"))
     print(f"bus: {result['messages']} messages stored, {result['events_per_s']:.1f} events/s, "
           f"{result['commands_per_s']:.1f} commands/s, {result['kv_writes_per_s']:.1f} "
           "task-table and run-record writes/s")
