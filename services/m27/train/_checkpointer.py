@@ -46,7 +46,7 @@ from m27.train._policy import Decision, Policy, decide, next_kind
 from m27.train._ranks import Vote, layout_problem, must_agree, settle, step_due
 from m27.train._restore import is_train_checkpoint, read_checkpoint
 from m27.train._snapshot import Copier, HostBuffers, Snapshot, wait_copied
-from m27.train._stores import open_store, task_identity
+from m27.train._stores import STORE_OUTAGE_S, may_pass, open_store, task_identity
 
 PACK_BELOW: Final = 1024 * 1024
 BufferPlan = list[tuple[str, torch.Tensor, tuple[int, ...]]]  # (entry name, tensor, slots)
@@ -127,6 +127,7 @@ class Checkpointer:
         self._error: BaseException | None = None
         self._force_full = False
         self._last_step, self._last_time = 0, time.monotonic()
+        self._cursor: Cursor | None = None  # the latest after_step's or save's
         self._layout = StateLayout(model)
         self.buffers = HostBuffers(slots=2 if delta_base == "memory" else 1)
         self._persister = Persister(
@@ -167,6 +168,7 @@ class Checkpointer:
         scaler.update() and cursor.advance()). Starts a checkpoint when one is due;
         returns whether it did."""
         started = time.perf_counter()
+        self._cursor = cursor
         if self._stopping is not None and self._gang is None:
             self._stop_now(cursor)
         with self._lock:
@@ -218,6 +220,7 @@ class Checkpointer:
         encoded at normal priority, as a requested checkpoint is). With ranks, every rank
         calls it at the same step."""
         started = time.perf_counter()
+        self._cursor = cursor
         self._idle.wait()
         self._start(cursor, reason, started, urgent=wait)
         if wait:
@@ -252,11 +255,30 @@ class Checkpointer:
         if self._closed:
             return
         try:
-            self.flush()
+            self._final_flush()
         finally:
             self._release()
         if self._stopping is not None:
             raise SystemExit(128 + self._stopping)
+
+    def _final_flush(self) -> None:
+        """flush(); a last checkpoint that failed in a way waiting may cure (the store away,
+        its disk full) is taken again, at the last cursor, until it is durable or
+        STORE_OUTAGE_S have passed: no later checkpoint will make good for it."""
+        began, pause = time.monotonic(), 1.0
+        while True:
+            try:
+                self.flush()
+                return
+            except CheckpointError as exc:
+                if (self._gang is not None or self._cursor is None or not may_pass(exc)
+                        or time.monotonic() - began + pause > STORE_OUTAGE_S):
+                    raise
+                log.warning("checkpoint_retried_at_close", task_id=self.task_id,
+                            step=self._cursor.step, error=str(exc), retry_in_s=pause)
+            time.sleep(pause)
+            pause = min(pause * 2, 10.0)
+            self.save(self._cursor, "close(): the last checkpoint failed")
 
     def _release(self) -> None:
         self._closed = True

@@ -4,11 +4,13 @@ m27, ./checkpoints on a laptop)."""
 
 from __future__ import annotations
 
+import errno
 import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Final
 
+from m27.common.checkpoint_api import StorageFull, StorageUnavailable
 from m27.common.checkpoint_storage import TRAIN_STORE_SUBDIR, CheckpointSink, LocalStore
 from m27.train._log import log
 
@@ -46,3 +48,14 @@ def task_identity(task_id: str | None, environ: Mapping[str, str]) -> tuple[str,
     attempt = environ.get("M27_ATTEMPT", "0")
     return (task_id or environ.get("M27_TASK_ID") or "local",
             int(attempt) if attempt.isdigit() else 0)
+
+
+def may_pass(error: BaseException | None) -> bool:
+    """Is `error` (or what caused it) a checkpoint failure that waiting may cure: the
+    checkpoint-store away, or the disk under the checkpoints full?"""
+    while error is not None:
+        if isinstance(error, StorageFull | StorageUnavailable) or (
+                isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT)):
+            return True
+        error = error.__cause__
+    return False

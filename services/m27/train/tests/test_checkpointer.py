@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 
+from m27.common.checkpoint_api import StorageFull
 from m27.common.checkpoint_format import Manifest, Payload, chain_depth, chunk_ids
 from m27.common.checkpoint_storage import LocalStore
 from m27.train import (
@@ -264,6 +265,42 @@ def test_a_failure_made_good_by_a_later_checkpoint_does_not_fail_close(
     run.ckpt.after_step(cursor)
     run.ckpt.close()  # the last checkpoint is durable: nothing to raise
     assert [m.step for m in store.list("local")] == [2]
+
+
+class FullForAWhile(LocalStore):
+    """The checkpoint-store's answer while its disk is full, for the first `full` commits."""
+
+    full = 2
+
+    def commit(self, manifest: Manifest) -> Manifest:
+        if self.full > 0:
+            self.full -= 1
+            raise StorageFull("checkpoint-store: the checkpoint disk is full")
+        return super().commit(manifest)
+
+
+def test_a_last_checkpoint_that_met_a_full_disk_is_taken_again_at_close(
+        tmp_path: Path, env: dict[str, str], runs: list[Run]) -> None:
+    """Found by the chaos suite (seed 1030): the disk full as training ended failed the
+    step, although it had room again seconds later. close() takes the last checkpoint
+    again while waiting may cure it; an error it cannot cure is raised at once."""
+    store = FullForAWhile(tmp_path / "full")
+    run = new_run(runs, store, env, every_steps=1)
+    cursor = Cursor()
+    for _ in range(2):
+        train_step(run.model, run.optimizer)
+        cursor.advance()
+        run.ckpt.after_step(cursor)
+    began = time.monotonic()
+    run.ckpt.close()  # the step-1 and step-2 checkpoints failed; a third try at close
+    assert 1.0 <= time.monotonic() - began < 30
+    assert [m.step for m in store.list("local")] == [2]
+    failing = FailingStore(tmp_path / "failing")  # OSError("disk full"), no errno: a bug
+    other = new_run(runs, failing, env, every_steps=1)
+    train_step(other.model, other.optimizer)
+    other.ckpt.after_step(Cursor(step=1))
+    with pytest.raises(CheckpointError, match="disk full"):
+        other.ckpt.close()
 
 
 class SlowStore(LocalStore):
