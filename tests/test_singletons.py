@@ -217,8 +217,14 @@ async def test_two_reports_each_hold_everything_and_either_may_die(tmp_path: Pat
             wait_ready([again])
             await wait_for(lambda: _holds(system.home, alone.run_id),
                            "the restarted copy catches up", timeout=30)
-            written = [line for line in service_log(again).splitlines()
-                       if "report.written" in line]
-            assert [alone.run_id in line for line in written] == [True], written
+
+            def written() -> list[str]:
+                return [line for line in service_log(again).splitlines()
+                        if "report.written" in line]
+
+            # the file is written before its log line: wait for the line, not the file
+            await wait_for(lambda: bool(written()), "the restarted copy logs its report",
+                           timeout=30)
+            assert [alone.run_id in line for line in written()] == [True], written()
     finally:
         system.stop()
