@@ -17,7 +17,14 @@ from hypothesis import strategies as st
 
 from m27.common import events, leases, subjects
 from m27.common.bus import NatsBus
-from m27.common.leader import FencedBus, Leadership, NotLeader, _died_here, this_host
+from m27.common.leader import (
+    FencedBus,
+    Leadership,
+    NotLeader,
+    _died_here,
+    cancelled,
+    this_host,
+)
 from tests.support import wait_for
 
 pytestmark = pytest.mark.integration
@@ -170,3 +177,11 @@ async def test_a_copy_whose_acting_swallows_a_cancellation_still_steps_down_and_
         await a.task
     finally:
         await nats.close()
+
+
+async def test_cancelled_ends_a_task_and_may_be_asked_again() -> None:
+    task = asyncio.create_task(asyncio.Event().wait())
+    await cancelled(task)
+    await cancelled(task)  # (a cached coroutine could not be awaited twice)
+    assert task.cancelled()
+    assert this_host() is this_host()  # worked out once

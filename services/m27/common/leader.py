@@ -243,7 +243,6 @@ class FencedBus:
         return await self._bus.request(subject, data, timeout)
 
 
-@functools.cache
 async def cancelled(task: asyncio.Task[Any], every_s: float = 1.0) -> None:
     """Cancel `task` and wait until it has ended, cancelling it again every `every_s`: on
     Python 3.11 a cancellation can be lost (asyncio.wait_for turns one that races its
@@ -257,6 +256,7 @@ async def cancelled(task: asyncio.Task[Any], every_s: float = 1.0) -> None:
         task.exception()  # retrieved: the caller reads it if it wants it
 
 
+@functools.cache
 def this_host() -> str:
     """Where a pid means the same process: the host name, the machine's boot and the PID
     namespace. Two pods of one Deployment share a host name (`hostname:` in the manifest)
