@@ -41,7 +41,6 @@ import contextlib
 import json
 import os
 import platform
-import subprocess
 import sys
 import tempfile
 import time
@@ -49,7 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from m27.common.logging import configure
-from m27.embedded.nats_server import nats_server_binary
+from m27.embedded.nats_server import nats_server_version
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from tests.chaos.checks import Outcome, count_by_kind  # the harness the tests use
@@ -199,14 +198,8 @@ def main() -> None:
     result.update(seed=args.seed, duration=args.duration, every=args.fault_every)
     result["machine"] = {"python": platform.python_version(), "cores": os.cpu_count() or 0,
                          "platform": f"{platform.system()} {platform.machine()}",
-                         "nats_server": _version(), "root": os.geteuid() == 0}
+                         "nats_server": nats_server_version(), "root": os.geteuid() == 0}
     print(json.dumps(result, indent=2) if args.json else table(result))
-
-
-def _version() -> str:
-    out = subprocess.run([str(nats_server_binary()), "--version"], capture_output=True,
-                         text=True, check=False)
-    return out.stdout.strip()
 
 
 if __name__ == "__main__":

@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from m27.client import Client
 from m27.common.bus import NatsBus, topology_names
 from m27.common.logging import configure
-from m27.embedded.nats_server import nats_server_binary
+from m27.embedded.nats_server import nats_server_version
 from tests.nats_cluster_support import (  # the same harness the test uses
     PIPELINE,
     PROBE_STREAM,
@@ -222,7 +222,7 @@ def main() -> None:
         with clustered(root, env=env, log_level="info") as cluster:
             result = asyncio.run(bench(cluster, args.rounds, args.runs, work))
     result["machine"] = {"python": platform.python_version(), "cores": _cores(),
-                         "nats_server": _version(), "heartbeat": args.heartbeat}
+                         "nats_server": nats_server_version(), "heartbeat": args.heartbeat}
     if args.json:
         print(json.dumps(result, indent=2))
         return
@@ -233,14 +233,6 @@ def _cores() -> int:
     import os
 
     return os.cpu_count() or 0
-
-
-def _version() -> str:
-    import subprocess
-
-    out = subprocess.run([str(nats_server_binary()), "--version"], capture_output=True,
-                         text=True, check=False)
-    return out.stdout.strip()
 
 
 if __name__ == "__main__":

