@@ -1,18 +1,22 @@
-"""Seeded chaos, measured: N fault schedules, each on a fresh m27 system (nats-server, the
-five services and three node-agents as real processes on loopback; the GPUs are
-simulated), with the harness of tests/chaos.
+"""Seeded chaos, measured: N fault schedules, each on a fresh m27 system (nats-server —
+or, with --nats-servers 3, a JetStream cluster of three —, the five services and three
+node-agents as real processes on loopback; the GPUs are simulated), with the harness of
+tests/chaos.
 
 Per schedule (seed S, S+1, …): the schedule is drawn from its seed
 (tests/chaos/schedule.py) — kill -9 of a service or a node-agent (started again after
 0.5–2 s, as a supervisor would), kill -9 of a node's guard, a nats-server restart
-(kill -9, started again on its port and store), SIGSTOP of a service or an agent past
-the node lease (then SIGCONT), a node cut off from NATS (through a TCP proxy), the
-checkpoint-store's filesystem full (a size-limited tmpfs: root only, else left out), a
-node drained and uncordoned — one about every --fault-every seconds for --duration
-seconds, while the work runs: short shell steps with a `matrix:` sweep, an `m27.train`
-step (CPU torch) that checkpoints every 10 steps, a program with its own checkpoint file,
-preemptible background work that an urgent step preempts. Then everything is healed and
-every run waited for, and the checks of tests/chaos/checks.py judge the records.
+(kill -9, started again on its port and store; in a cluster, one member at a time),
+SIGSTOP of a service or an agent past the node lease (then SIGCONT), a node cut off from
+NATS (through TCP proxies), the checkpoint-store's filesystem full (its own 256 MiB ext4
+on a loop device, or a tmpfs: root only, else left out), that filesystem slow (a blkio
+throttle on the loop device: 10 write IOs/s, 512 KiB/s; cgroup v1 and a loop device
+only, else left out), a node drained and uncordoned — one about every --fault-every
+seconds for --duration seconds, while the work runs: short shell steps with a `matrix:`
+sweep, an `m27.train` step (CPU torch) that checkpoints every 10 steps, a program with
+its own checkpoint file, preemptible background work that an urgent step preempts. Then
+everything is healed and every run waited for, and the checks of tests/chaos/checks.py
+judge the records.
 
 The table: faults done per kind; runs that succeeded; recovery time per kind, p50/p95
 (from the fault to the affected work's next attempt starting — one sample per task that
@@ -26,7 +30,7 @@ The system runs with the test leases (renewal 1 s, self-fence 3 s, node lost 5 s
 scheduler lease 3 s): a freeze or a cut is drawn to outlast the 5 s, so it is a failure.
 
     python bench/chaos.py [--schedules 5] [--seed 1] [--fault-every 5] [--duration 40]
-        [--json] [--keep DIR] [--out FILE]
+        [--nats-servers 1|3] [--kinds kill,freeze,…] [--json] [--keep DIR] [--out FILE]
     python bench/chaos.py --report FILE...   # the table of what --out wrote
 
 A fresh system per schedule: a fault that leaves damage (a full disk, a guard that
@@ -53,6 +57,7 @@ from m27.embedded.nats_server import nats_server_version
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from tests.chaos.checks import Outcome, count_by_kind  # the harness the tests use
 from tests.chaos.harness import run_schedule
+from tests.chaos.schedule import KINDS, Kind
 
 
 def pct(values: list[float], q: float) -> float | None:
@@ -92,7 +97,8 @@ def table(result: dict[str, Any]) -> str:
            f"{result['duration']:.0f} s of faults each, one every ~{result['every']:.0f} s; "
            "GPUs simulated",
            f"machine: {m['cores']} cores, {m['platform']}, Python {m['python']}, "
-           f"{m['nats_server']}; disk_full {'on (tmpfs)' if m['root'] else 'left out'}",
+           f"{m['nats_server']} ({result.get('nats_servers', 1)} server(s)); kinds drawn: "
+           f"{', '.join(result.get('kinds') or ['all the machine can do'])}",
            "", f"{'kind':<14}{'faults':>7}{'samples':>9}{'p50 s':>8}{'p95 s':>8}"]
     for kind, n in s["faults"].items():
         r = s["recovery_s"].get(kind, {"n": 0, "p50": None, "p95": None})
@@ -121,7 +127,8 @@ async def bench(args: argparse.Namespace, root: Path) -> dict[str, Any]:
         started = time.monotonic()
         try:
             outcome = await run_schedule(seed, root / f"seed-{seed}",
-                                         duration_s=args.duration, every_s=args.fault_every)
+                                         duration_s=args.duration, every_s=args.fault_every,
+                                         kinds=args.kinds, nats_servers=args.nats_servers)
         except Exception as exc:
             outcome = Outcome(seed=seed, violations=[f"seed {seed}: the harness failed: "
                                                      f"{type(exc).__name__}: {exc}"],
@@ -165,6 +172,16 @@ def _plain(outcome: Outcome) -> dict[str, Any]:
     return msgspec.to_builtins(outcome)  # type: ignore[no-any-return]
 
 
+def kinds_of(text: str) -> list[Kind]:
+    """`kill,freeze` → those kinds; argparse's error for an unknown one."""
+    chosen = [k.strip() for k in text.split(",") if k.strip()]
+    unknown = [k for k in chosen if k not in KINDS]
+    if unknown or not chosen:
+        raise argparse.ArgumentTypeError(f"unknown fault kind(s) {', '.join(unknown) or '(none)'}"
+                                         f"; the kinds are {', '.join(KINDS)}")
+    return chosen  # type: ignore[return-value]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
@@ -177,6 +194,12 @@ def main() -> None:
     parser.add_argument("--duration", type=float, default=40.0, metavar="S",
                         help="seconds of faults per schedule (work runs on after them "
                         "until every run ended)")
+    parser.add_argument("--nats-servers", type=int, choices=(1, 3), default=1,
+                        help="one nats-server, or a JetStream cluster of three (R3 streams "
+                        "and buckets; nats_restart then kills one member)")
+    parser.add_argument("--kinds", type=kinds_of, metavar="KIND,…",
+                        help="draw only these fault kinds (default: every kind this machine "
+                        f"can do: {', '.join(KINDS)}); a seed's schedule depends on it")
     parser.add_argument("--json", action="store_true", help="the whole result as JSON")
     parser.add_argument("--keep", metavar="DIR", type=Path,
                         help="run in DIR and keep it (logs, markers, stores; default: a "
@@ -195,7 +218,8 @@ def main() -> None:
             root = args.keep or Path(stack.enter_context(
                 tempfile.TemporaryDirectory(prefix="m27-chaos-")))
             result = asyncio.run(bench(args, root))
-    result.update(seed=args.seed, duration=args.duration, every=args.fault_every)
+    result.update(seed=args.seed, duration=args.duration, every=args.fault_every,
+                  nats_servers=args.nats_servers, kinds=args.kinds)
     result["machine"] = {"python": platform.python_version(), "cores": os.cpu_count() or 0,
                          "platform": f"{platform.system()} {platform.machine()}",
                          "nats_server": nats_server_version(), "root": os.geteuid() == 0}

@@ -236,8 +236,10 @@ def memory_mib(pid: int) -> tuple[float, float]:
 
 def processes(cluster: Cluster) -> dict[str, int]:
     pids = {name: proc.pid for name, proc in cluster.processes.items()}
-    if cluster.nats.pid is not None:
-        pids["nats-server"] = cluster.nats.pid
+    servers = getattr(cluster.nats, "servers", [cluster.nats])
+    for i, server in enumerate(servers, 1):
+        if server.pid is not None:
+            pids["nats-server" if len(servers) == 1 else f"nats-server-{i}"] = server.pid
     return pids
 
 

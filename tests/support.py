@@ -21,6 +21,7 @@ from m27.common.bus import NatsBus
 from m27.common.config import NatsSection, load_config
 from m27.common.model import RunRecord
 from m27.embedded import NatsServer, system
+from m27.embedded.nats_cluster import NatsCluster, run_blocking, wait_for_jetstream
 from m27.embedded.processes import ServiceProcess, launch, stop, wait_ready
 
 
@@ -35,12 +36,16 @@ def service_log(proc: ServiceProcess) -> str:
 
 
 class Cluster:
-    """A whole m27 on loopback: nats-server plus the five services as real processes."""
+    """A whole m27 on loopback: nats-server (or a JetStream cluster of them) plus the five
+    services as real processes."""
 
     def __init__(self, root: Path, nodes: int = 1, gpus: str = "sim:2",
-                 env: dict[str, str] | None = None, api_tls: bool = False) -> None:
+                 env: dict[str, str] | None = None, api_tls: bool = False,
+                 nats_servers: int = 1) -> None:
         """`api_tls`: every gRPC server on mutual TLS (`[api]` certificates), as a
-        deployment beyond loopback must run."""
+        deployment beyond loopback must run. `nats_servers` 3 or 5: a JetStream cluster
+        (streams and buckets with 3 replicas) whose servers tell clients no other
+        member's address (a client keeps to the URLs it is given)."""
         self.root = root
         self.home = root / "home"
         self.home.mkdir(parents=True, exist_ok=True)
@@ -52,7 +57,10 @@ class Cluster:
         self.env = {**os.environ, "M27_HOME": str(self.home), "M27_CONFIG": str(config),
                     "M27_API_KEY_FILE": str(keys / api_auth.CONTROL_KEY),
                     "M27_API_NODE_KEY_FILE": str(keys / api_auth.NODE_KEY), **(env or {})}
-        self.nats = NatsServer(root / "nats")
+        self.nats: NatsServer | NatsCluster = NatsServer(root / "nats")
+        if nats_servers > 1:
+            self.nats = NatsCluster(root / "nats", nats_servers, advertise=False)
+            self.env["M27_NATS_REPLICAS"] = "3"
         #: The admin's access `m27 up` would give; `access_as` makes other users'.
         self.access = self.with_token(token_file.read_text().strip())
         self.keys = home_keys(self.home)
@@ -97,6 +105,9 @@ class Cluster:
 
     def start(self) -> None:
         self.nats.start()
+        if isinstance(self.nats, NatsCluster):
+            url = self.nats.url
+            run_blocking(lambda: wait_for_jetstream(url))
         specs: list[tuple[str, str, list[str]]] = [
             ("orchestrator", "m27.orchestrator", []), ("scheduler", "m27.scheduler", []),
             ("checkpoint-store", "m27.checkpoint_store", []), ("report", "m27.report", [])]

@@ -5,8 +5,10 @@ from __future__ import annotations
 import asyncio
 
 import msgspec
+import nats.js.errors
 import pytest
 from nats.aio.msg import Msg
+from structlog.testing import capture_logs
 
 from m27.common import events, subjects
 from m27.common.bus import MAX_FAILED_DELIVERIES, Bus, NatsBus, PoisonMessage, consume
@@ -39,6 +41,79 @@ async def test_topology_is_idempotent_and_keys_are_listed_by_pattern(nats_url: s
     finally:
         await first.close()
         await second.close()
+
+
+async def _subject_count(bus: NatsBus, bucket: str) -> int:
+    """How many keys the bucket's stream holds a message for (values and markers)."""
+    return (await bus.js.stream_info(f"KV_{bucket}")).state.messages
+
+
+async def _until_gone(bus: NatsBus, bucket: str, expected: int) -> None:
+    deadline = asyncio.get_running_loop().time() + 20
+    while await _subject_count(bus, bucket) != expected:
+        assert asyncio.get_running_loop().time() < deadline, "the server kept the entries"
+        await asyncio.sleep(0.2)
+
+
+async def test_a_deleted_key_and_a_value_written_with_a_ttl_leave_the_bucket(
+        nats_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found in the soak: nats-server grew with every key ever deleted (each finished
+    task's marker) and every fence. A delete's marker and a value written with `ttl_s`
+    are removed by the server itself; a compare-and-set delete loses to a newer write."""
+    from m27.common import bus as module
+    from m27.common.model import Fence
+
+    monkeypatch.setattr(module, "DELETE_MARKER_TTL_S", 1.0)
+    bus = await NatsBus.open(nats_url, name="ttl")
+    try:
+        await bus.kv_put(subjects.SERVICES_BUCKET, "gone", info("gone"))
+        await bus.kv_put(subjects.SERVICES_BUCKET, "kept", info("kept"))
+        await bus.kv_delete(subjects.SERVICES_BUCKET, "gone")
+        assert await bus.kv_get(subjects.SERVICES_BUCKET, "gone", ServiceInfo) is None
+        await _until_gone(bus, subjects.SERVICES_BUCKET, 1)  # the marker expired
+        assert await bus.kv_keys(subjects.SERVICES_BUCKET) == ["kept"]
+        await bus.kv_put(subjects.SERVICES_BUCKET, "gone", info("back"))  # a key again
+        assert await bus.kv_get(subjects.SERVICES_BUCKET, "gone", ServiceInfo) is not None
+
+        fence = Fence(task_id="r/a", attempt=1, node_id="n", at=1.0)
+        await bus.kv_update(subjects.FENCES_BUCKET, "r.a", Fence, lambda _: fence)
+        await bus.kv_update(subjects.FENCES_BUCKET, "r.a", Fence, lambda f: f, ttl_s=1.0)
+        await bus.kv_update(subjects.FENCES_BUCKET, "r.b", Fence, lambda _: fence, ttl_s=1.0)
+        await bus.kv_update(subjects.FENCES_BUCKET, "r.c", Fence, lambda _: fence)
+        got = await bus.kv_get(subjects.FENCES_BUCKET, "r.a", Fence)
+        assert got is not None
+        assert got[0] == fence  # until it expires
+        await _until_gone(bus, subjects.FENCES_BUCKET, 1)
+        assert await bus.kv_keys(subjects.FENCES_BUCKET) == ["r.c"]
+
+        stale = await bus.kv_get(subjects.FENCES_BUCKET, "r.c", Fence)
+        assert stale is not None
+        await bus.kv_update(subjects.FENCES_BUCKET, "r.c", Fence, lambda f: fence)
+        with pytest.raises(nats.js.errors.KeyWrongLastSequenceError):
+            await bus.kv_delete(subjects.FENCES_BUCKET, "r.c", last=stale[1])
+        assert await bus.kv_get(subjects.FENCES_BUCKET, "r.c", Fence) is not None
+    finally:
+        await bus.close()
+
+
+async def test_a_bucket_made_without_message_ttls_still_deletes_and_updates(
+        nats_url: str) -> None:
+    """A bucket an older m27 (or an operator) made without `allow_msg_ttl`: deletes and
+    TTL'd writes work as plain ones (the entries stay), with a warning."""
+    from nats.js.api import StreamConfig
+
+    bus = await NatsBus.open(nats_url, name="old")
+    try:
+        await bus.js.add_stream(StreamConfig(name="KV_old", subjects=["$KV.old.>"],
+                                             allow_rollup_hdrs=True, max_msgs_per_subject=1))
+        await bus.kv_put("old", "a", info("a"))
+        with capture_logs() as logs:
+            await bus.kv_update("old", "a", ServiceInfo, lambda _: info("b"), ttl_s=1.0)
+            await bus.kv_delete("old", "a")
+        assert await bus.kv_get("old", "a", ServiceInfo) is None
+        assert [e["event"] for e in logs] == ["nats.kv_ttl_disabled"]  # once per bucket
+    finally:
+        await bus.close()
 
 
 async def test_consume_acks_after_success_retries_failures_and_drops_poison(

@@ -43,6 +43,9 @@ from m27.common.checkpoint_api import (
 from m27.common.checkpoint_format import Manifest, chunk_ids, plan_entry, read_entry
 from m27.common.model import Fence
 from m27.embedded.processes import ServiceProcess, stop
+from m27.node_agent._checkpoint_files import upload
+from m27.node_agent._file_sync import remote_stores, restore_files
+from m27.node_agent._tasks import CannotStart
 from m27.v1 import checkpoint_pb2 as pb
 from m27.v1 import checkpoint_pb2_grpc as pb_grpc
 
@@ -388,6 +391,36 @@ def test_a_patient_client_waits_out_a_store_restarting(start_service: StartServi
     finally:
         impatient.close()
         patient.close()
+
+
+async def test_an_agent_restoring_a_steps_files_waits_out_a_store_restarting(
+        start_service: StartService, tmp_path: Path) -> None:
+    """Found by the chaos suite (seed 1005): the checkpoint-store killed as a step that
+    keeps its own checkpoint files moved to another node failed the step ("could not
+    restore the step's checkpoint files: … Connection refused"). The agent's restore
+    now tries again until the store is back; past its limit it says so."""
+    root = str(tmp_path / "ckpt")
+    first = start_service("checkpoint_store", "--root", root)
+    address = first.grpc_address
+    source = tmp_path / "node-a"
+    source.mkdir()
+    (source / "state.cpt").write_bytes(os.urandom(100_000))
+    with remote(first, attempt=1) as store:
+        assert upload(store, TASK, 1, source, level=3, max_bytes=1 << 30, now=1.0)
+    os.kill(first.pid, signal.SIGKILL)
+    stop([first])
+    opener = remote_stores(default_access())
+    with pytest.raises(CannotStart, match="unreachable for 1s"):
+        await restore_files(opener, address, TASK, 2, tmp_path / "never", outage_s=1.0)
+    target = tmp_path / "node-b"
+    restoring = asyncio.ensure_future(restore_files(opener, address, TASK, 2, target))
+    await asyncio.sleep(0)  # it starts while nothing listens on the address
+    await asyncio.to_thread(start_service, "checkpoint_store", "--root", root, "--grpc",
+                            address, name="checkpoint_store-2")
+    restored = await asyncio.wait_for(restoring, 60)
+    assert restored is not None
+    assert restored.attempt == 1
+    assert (target / "state.cpt").read_bytes() == (source / "state.cpt").read_bytes()
 
 
 def test_the_wait_through_an_outage_ends_at_its_limit() -> None:

@@ -16,9 +16,11 @@ from tests.chaos.schedule import Fault
 #: a loaded 2-core machine), on top of the checkpoint interval.
 DURABLE_S: Final = 3.0
 FINAL_RUN_STATES: Final = frozenset({"succeeded", "failed", "cancelled"})
-#: Faults during which a checkpoint cannot become durable anywhere.
+#: Faults during which a checkpoint cannot become durable anywhere, or only slowly (a slow
+#: disk); every nats_restart is one too (a cluster member's streams elect new leaders).
 STORE_OUTAGES: Final = frozenset({("kill", "checkpoint-store"), ("freeze", "checkpoint-store"),
-                                  ("disk_full", "checkpoint-store"), ("nats_restart", "nats")})
+                                  ("disk_full", "checkpoint-store"),
+                                  ("slow_disk", "checkpoint-store")})
 
 
 class Mark(msgspec.Struct, frozen=True):
@@ -287,10 +289,11 @@ def _overlap(a: float, b: float, windows: Iterable[tuple[float, float]]) -> floa
 
 
 def outage_windows(faults: Sequence[FaultRecord], node: str) -> list[tuple[float, float]]:
-    """When a checkpoint of a task on `node` could not become durable: the store or NATS
-    down, its disk full, or the node itself (which uploads a program's files) out."""
+    """When a checkpoint of a task on `node` could not become durable (or only slowly): the
+    store or a NATS server down, its disk full or slow, or the node itself (which uploads
+    a program's files) out."""
     return [(f.started_at, max(f.healed_at, f.serving_at or 0.0)) for f in faults
-            if (f.fault.kind, f.fault.target) in STORE_OUTAGES
+            if (f.fault.kind, f.fault.target) in STORE_OUTAGES or f.fault.kind == "nats_restart"
             or (f.fault.target == node and f.fault.kind != "drain")]
 
 

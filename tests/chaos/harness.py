@@ -79,10 +79,12 @@ class Schedule:
     """One seed's schedule on one fresh system under `root` (kept: logs, markers)."""
 
     def __init__(self, seed: int, root: Path, *, duration_s: float, every_s: float,
-                 nodes: int = 3, kinds: Sequence[Kind] | None = None) -> None:
+                 nodes: int = 3, kinds: Sequence[Kind] | None = None,
+                 nats_servers: int = 1) -> None:
         self.seed, self.root = seed, root
         self.duration_s, self.every_s = duration_s, every_s
-        self.live = Live(root, nodes=nodes, env=dict(ENV))
+        self.nats_servers = nats_servers
+        self.live = Live(root, nodes=nodes, env=dict(ENV), nats_servers=nats_servers)
         self.kinds = kinds
         self.faults: list[Fault] = []
         self.records: list[FaultRecord] = []
@@ -134,8 +136,8 @@ class Schedule:
             await asyncio.to_thread(live.kill, target)
             undo = functools.partial(live.restart, target)
         elif kind == "nats_restart":
-            await asyncio.to_thread(live.kill_nats)
-            undo = live.start_nats
+            await asyncio.to_thread(live.kill_nats, target)
+            undo = functools.partial(live.start_nats, target)
         elif kind == "freeze":
             live.freeze(target)
             undo = functools.partial(live.thaw, target)
@@ -145,6 +147,9 @@ class Schedule:
         elif kind == "disk_full":
             await asyncio.to_thread(live.fill_disk)
             undo = live.empty_disk
+        elif kind == "slow_disk":
+            live.slow_disk()
+            undo = live.fast_disk
         elif kind == "drain":
             await live.maintenance(target, "drain")
             await asyncio.sleep(fault.duration_s)
@@ -175,7 +180,8 @@ class Schedule:
         kinds = self.kinds if self.kinds is not None else self.live.kinds()
         kinds = [k for k in kinds if k in self.live.kinds()]
         self.faults = list(draw(self.seed, duration_s=self.duration_s, every_s=self.every_s,
-                                nodes=len(self.live.nodes), kinds=kinds, leases=LEASES))
+                                nodes=len(self.live.nodes), kinds=kinds, leases=LEASES,
+                                nats_servers=self.nats_servers))
         waves = max(1, round(self.duration_s / 30))
         jobs = [j for w in range(waves)
                 for j in programs.jobs(wave=w, after_s=w * self.duration_s / waves)]
@@ -297,10 +303,13 @@ def stored_event(seq: int, data: bytes) -> checks.StoredEvent | None:
 
 
 async def run_schedule(seed: int, root: Path, *, duration_s: float = 40.0,
-                       every_s: float = 5.0, kinds: Sequence[Kind] | None = None) -> Outcome:
-    """One schedule on a fresh system under `root`; the system is stopped afterwards (its
-    logs stay under `root/system/logs`)."""
-    schedule = Schedule(seed, root, duration_s=duration_s, every_s=every_s, kinds=kinds)
+                       every_s: float = 5.0, kinds: Sequence[Kind] | None = None,
+                       nats_servers: int = 1) -> Outcome:
+    """One schedule on a fresh system under `root` (`nats_servers` 3: on a JetStream
+    cluster, whose members are killed one at a time); the system is stopped afterwards
+    (its logs stay under `root/system/logs`)."""
+    schedule = Schedule(seed, root, duration_s=duration_s, every_s=every_s, kinds=kinds,
+                        nats_servers=nats_servers)
     try:
         return await schedule.run()
     finally:

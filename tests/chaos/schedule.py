@@ -14,18 +14,21 @@ from typing import Final, Literal
 
 import msgspec
 
-Kind = Literal["kill", "kill_guard", "nats_restart", "freeze", "cut", "disk_full", "drain"]
+Kind = Literal["kill", "kill_guard", "nats_restart", "freeze", "cut", "disk_full", "drain",
+               "slow_disk"]
 
-#: Every kind, in the order a draw considers them (the order is part of the determinism).
+#: Every kind, in the order a draw considers them (the order is part of the determinism:
+#: a kind added later goes last, so the draws of a seed without it stay what they were).
 KINDS: Final[tuple[Kind, ...]] = ("kill", "kill_guard", "nats_restart", "freeze", "cut",
-                                  "disk_full", "drain")
+                                  "disk_full", "drain", "slow_disk")
 SERVICES: Final = ("orchestrator", "scheduler", "checkpoint-store", "report")
 #: Services a SIGSTOP is drawn for (the report is not on any task's path).
 FREEZABLE_SERVICES: Final = ("orchestrator", "scheduler", "checkpoint-store")
 NATS: Final = "nats"
 #: How often each kind is drawn, relative to the others: process deaths most.
 WEIGHTS: Final[dict[Kind, float]] = {"kill": 3.0, "kill_guard": 0.5, "nats_restart": 1.0,
-                                     "freeze": 2.0, "cut": 1.5, "disk_full": 1.0, "drain": 1.0}
+                                     "freeze": 2.0, "cut": 1.5, "disk_full": 1.0, "drain": 1.0,
+                                     "slow_disk": 1.0}
 
 
 class Fault(msgspec.Struct, frozen=True, kw_only=True):
@@ -52,7 +55,13 @@ def node_names(nodes: int) -> tuple[str, ...]:
     return tuple(f"node-{i}" for i in range(1, nodes + 1))
 
 
-def targets_of(kind: Kind, nodes: Sequence[str]) -> tuple[str, ...]:
+def nats_names(servers: int) -> tuple[str, ...]:
+    """One server: `nats`; a cluster: `nats-1` … (a kill takes one member down)."""
+    return (NATS,) if servers == 1 else tuple(f"{NATS}-{i}" for i in range(1, servers + 1))
+
+
+def targets_of(kind: Kind, nodes: Sequence[str],
+               nats: Sequence[str] = (NATS,)) -> tuple[str, ...]:
     """Whom a fault of `kind` may hit."""
     if kind == "kill":
         return (*SERVICES, *nodes)
@@ -61,13 +70,14 @@ def targets_of(kind: Kind, nodes: Sequence[str]) -> tuple[str, ...]:
     if kind in ("kill_guard", "cut", "drain"):
         return tuple(nodes)
     if kind == "nats_restart":
-        return (NATS,)
-    return ("checkpoint-store",)  # disk_full: the checkpoint-store's directory
+        return tuple(nats)
+    return ("checkpoint-store",)  # disk_full, slow_disk: the checkpoint-store's directory
 
 
 def duration_of(kind: Kind, rng: random.Random, leases: Leases) -> float:
     """How long a fault lasts: a killed process's restart delay, a freeze or cut past the
-    node lease (so the node is declared lost), a full disk or a drain for a few seconds."""
+    node lease (so the node is declared lost), a full or slow disk or a drain for a few
+    seconds."""
     if kind == "kill":
         return round(rng.uniform(0.5, 2.0), 2)
     if kind == "nats_restart":
@@ -80,23 +90,26 @@ def duration_of(kind: Kind, rng: random.Random, leases: Leases) -> float:
 
 
 def draw(seed: int, *, duration_s: float = 40.0, every_s: float = 5.0, nodes: int = 3,
-         kinds: Sequence[Kind] = KINDS, leases: Leases | None = None) -> tuple[Fault, ...]:
+         kinds: Sequence[Kind] = KINDS, leases: Leases | None = None,
+         nats_servers: int = 1) -> tuple[Fault, ...]:
     """The faults of `seed`: one about every `every_s` seconds (jittered by up to a
     quarter) from `every_s / 2` until `duration_s`, kinds drawn among `kinds` (weighted
-    by WEIGHTS), targets uniform among theirs. At most one node is out (killed, frozen,
-    cut or drained) at a time, so the work always has somewhere to go."""
+    by WEIGHTS), targets uniform among theirs (with `nats_servers` > 1 a restart takes
+    one cluster member down). At most one node is out (killed, frozen, cut or drained)
+    at a time, so the work always has somewhere to go."""
     if every_s <= 0 or not kinds:
         return ()
     leases = leases or Leases()
     rng = random.Random(seed)
     names = node_names(nodes)
+    servers = nats_names(nats_servers)
     allowed = [k for k in KINDS if k in kinds]
     faults: list[Fault] = []
     node_busy_until = 0.0
     at = every_s / 2
     while (at_s := round(at, 2)) < duration_s:  # rounded first: never at duration_s
         kind = rng.choices(allowed, weights=[WEIGHTS[k] for k in allowed])[0]
-        target = rng.choice(targets_of(kind, names))
+        target = rng.choice(targets_of(kind, names, servers))
         duration = duration_of(kind, rng, leases)
         if target in names and kind != "kill_guard":
             if at < node_busy_until:  # another node is still out: hit a service instead

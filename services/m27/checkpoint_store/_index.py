@@ -34,8 +34,6 @@ _GET_BATCH: Final = 64
 ALL_KEYS: Final = ">"
 #: Compare-and-set tries before a retirement gives up (another writer won each time).
 _CAS_TRIES: Final = 20
-#: JetStream's "wrong last sequence" (10071, 10164): a compare-and-set lost.
-_WRONG_LAST_SEQUENCE: Final = (10071, 10164)
 
 
 class _Protection(msgspec.Struct):
@@ -194,12 +192,10 @@ class KvManifestIndex:
                     return False
                 if entry.value is None or is_protected(entry.value):
                     return False
-                try:
-                    await kv.delete(ref.key, last=entry.revision)
-                except nats.js.errors.APIError as exc:
-                    if exc.err_code in _WRONG_LAST_SEQUENCE:
-                        continue  # changed since it was read: read it again
-                    raise
+                try:  # its marker expires (bus.DELETE_MARKER_TTL_S): no key kept for good
+                    await self._bus.kv_delete(self._bucket, ref.key, last=entry.revision)
+                except nats.js.errors.KeyWrongLastSequenceError:
+                    continue  # changed since it was read: read it again
                 return True
         raise StorageUnavailable(f"cannot retire checkpoint {ref.checkpoint_id}: its "
                                  "manifest kept changing")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import ssl
 from collections.abc import Awaitable, Callable
@@ -31,6 +32,7 @@ from nats.js.api import (
     AckPolicy,
     ConsumerConfig,
     DeliverPolicy,
+    Header,
     KeyValueConfig,
     RetentionPolicy,
     StorageType,
@@ -51,6 +53,15 @@ log = get_logger()
 T = TypeVar("T")
 
 STREAM_NAME_IN_USE: Final = 10058
+#: JetStream's "wrong last sequence" (a compare-and-set lost) and "per-message TTL is
+#: disabled" (a bucket whose stream was made without `allow_msg_ttl`) error codes.
+WRONG_LAST_SEQUENCE: Final = (10071, 10164)
+TTL_DISABLED: Final = 10166
+#: How long a deleted key's marker stays (a reader or watcher sees "deleted"); then the
+#: server removes it and the key is gone from the bucket's stream. Without it, every key
+#: ever deleted — each finished task, each retired checkpoint — stayed for good.
+DELETE_MARKER_TTL_S: Final = 3600.0
+KV_OPERATION: Final = "KV-Operation"
 PING_INTERVAL_S: Final = 5
 MAX_OUTSTANDING_PINGS: Final = 3
 RECONNECT_WAIT_S: Final = 0.5
@@ -315,14 +326,18 @@ class Bus(Protocol):
     async def kv_put(self, bucket: str, key: str, value: msgspec.Struct) -> int: ...
 
     async def kv_update(self, bucket: str, key: str, type_: type[T],
-                        change: Callable[[T | None], T | None], attempts: int = 20
-                        ) -> T | None: ...
+                        change: Callable[[T | None], T | None], attempts: int = 20,
+                        ttl_s: float | None = None) -> T | None: ...
 
     async def kv_delete(self, bucket: str, key: str) -> None: ...
 
     async def kv_purge(self, bucket: str, key: str) -> None: ...
 
     async def request(self, subject: str, data: bytes, timeout: float) -> bytes: ...
+
+
+async def _create(kv: KeyValue, key: str, data: bytes, ttl: float | None) -> int:
+    return await kv.create(key, data, msg_ttl=ttl)
 
 
 class NatsBus:
@@ -332,6 +347,7 @@ class NatsBus:
         self.nc = nc
         self.js = nc.jetstream(timeout=JS_TIMEOUT_S)
         self._buckets: dict[str, KeyValue] = {}
+        self._no_ttl: set[str] = set()  # buckets whose stream refuses per-message TTLs
 
     @classmethod
     async def open(cls, url: str, *, name: str, timeout: float = 10.0,
@@ -406,10 +422,12 @@ class NatsBus:
         return await kv.put(key, msgspec.json.encode(value))
 
     async def kv_update(self, bucket: str, key: str, type_: type[T],
-                        change: Callable[[T | None], T | None], attempts: int = 20) -> T | None:
+                        change: Callable[[T | None], T | None], attempts: int = 20,
+                        ttl_s: float | None = None) -> T | None:
         """Compare-and-set: `change` gets the current value (None if there is none) and
         returns the new one (None: leave it). Retried on a concurrent write; returns what
-        is stored afterwards."""
+        is stored afterwards. `ttl_s`: the value written expires after that long (the
+        server removes it; a later write without one stays)."""
         kv = await self.kv(bucket)
         for _ in range(attempts):
             got = await self.kv_get(bucket, key, type_)
@@ -419,24 +437,64 @@ class NatsBus:
                 return current
             data = msgspec.json.encode(new)
             try:
-                if revision is None:
-                    await kv.create(key, data)
+                if revision is None:  # nats-py's create also writes over a delete marker
+                    await self._without_ttl_if_disabled(bucket, ttl_s, functools.partial(
+                        _create, kv, key, data))
                 else:
-                    await kv.update(key, data, last=revision)
+                    await self._kv_publish(bucket, key, data, {
+                        Header.EXPECTED_LAST_SUBJECT_SEQUENCE: str(revision)},
+                        ttl_s)
             except nats.js.errors.KeyWrongLastSequenceError:
                 continue
             return new
         raise BusError(f"{bucket}/{key}: too many concurrent updates")
 
-    async def kv_delete(self, bucket: str, key: str) -> None:
-        kv = await self.kv(bucket)
-        with contextlib.suppress(nats.js.errors.KeyNotFoundError):
-            await kv.delete(key)
+    async def kv_delete(self, bucket: str, key: str, *, last: int | None = None) -> None:
+        """Delete `key`: a purge marker (the value goes at once) that the server removes
+        DELETE_MARKER_TTL_S later. With `last`, only while the key is still at that
+        revision (nats.js.errors.KeyWrongLastSequenceError otherwise)."""
+        headers = {KV_OPERATION: "PURGE", Header.ROLLUP: "sub"}
+        if last:
+            headers[Header.EXPECTED_LAST_SUBJECT_SEQUENCE] = str(last)
+        await self._kv_publish(bucket, key, b"", headers, DELETE_MARKER_TTL_S)
 
     async def kv_purge(self, bucket: str, key: str) -> None:
-        """Remove the value at `key` from the bucket's stream (not only mark it deleted)."""
-        kv = await self.kv(bucket)
-        await kv.purge(key)
+        """Remove the value at `key` from the bucket's stream (`kv_delete`: every bucket
+        keeps one revision, so a delete is a purge)."""
+        await self.kv_delete(bucket, key)
+
+    async def _kv_publish(self, bucket: str, key: str, data: bytes, headers: dict[str, str],
+                          ttl_s: float | None) -> int:
+        """Store one KV message (a value or a marker) with `headers`; its revision."""
+        async def publish(ttl: float | None) -> int:
+            try:
+                ack = await self.js.publish(f"$KV.{bucket}.{key}", data,  # nats-py adds
+                                            headers=dict(headers), msg_ttl=ttl)  # to them
+            except nats.js.errors.APIError as exc:
+                if exc.err_code in WRONG_LAST_SEQUENCE:
+                    raise nats.js.errors.KeyWrongLastSequenceError(
+                        description=exc.description) from exc
+                raise
+            return ack.seq
+
+        return await self._without_ttl_if_disabled(bucket, ttl_s, publish)
+
+    async def _without_ttl_if_disabled(self, bucket: str, ttl_s: float | None,
+                                       write: Callable[[float | None], Awaitable[T]]) -> T:
+        """`write(ttl_s)`; on a bucket made without per-message TTLs (by an older m27 or
+        by hand), `write(None)`: the entry stays until deleted, as it always did."""
+        if bucket in self._no_ttl:
+            return await write(None)
+        try:
+            return await write(ttl_s)
+        except nats.js.errors.APIError as exc:
+            if ttl_s is None or getattr(exc, "err_code", None) != TTL_DISABLED:
+                raise
+            self._no_ttl.add(bucket)
+            log.warning("nats.kv_ttl_disabled", bucket=bucket,
+                        effect="deleted keys and ended tasks' fences are kept for good",
+                        fix="a bucket made with allow_msg_ttl (NATS 2.11 or later)")
+            return await write(None)
 
     async def request(self, subject: str, data: bytes, timeout: float) -> bytes:
         """A core NATS request (not stored); the answer's payload. nats' TimeoutError or
@@ -590,7 +648,8 @@ def decode_or_poison(data: bytes, decode: Callable[[bytes], T]) -> T:
 
 
 async def fence_of(bus: Bus, task_id: str) -> Fence | None:
-    """The task's current assignment (None once it is over: its fence is deleted)."""
+    """The task's current assignment (None before its first placement, and from a day
+    after it ended: the scheduler's `expire_fence`)."""
     got = await bus.kv_get(subjects.FENCES_BUCKET, subjects.task_key(task_id), Fence)
     return got[0] if got else None
 

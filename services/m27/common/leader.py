@@ -226,10 +226,10 @@ class FencedBus:
         return await self._bus.kv_put(bucket, key, value)
 
     async def kv_update(self, bucket: str, key: str, type_: type[T],
-                        change: Callable[[T | None], T | None], attempts: int = 20
-                        ) -> T | None:
+                        change: Callable[[T | None], T | None], attempts: int = 20,
+                        ttl_s: float | None = None) -> T | None:
         self._leadership.check()
-        return await self._bus.kv_update(bucket, key, type_, change, attempts)
+        return await self._bus.kv_update(bucket, key, type_, change, attempts, ttl_s)
 
     async def kv_delete(self, bucket: str, key: str) -> None:
         self._leadership.check()

@@ -40,6 +40,8 @@ class MemoryBus:
         self.published: list[tuple[str, events.Message, str | None]] = []
         self.core: list[tuple[str, events.Message]] = []
         self.kv: dict[tuple[str, str], tuple[bytes, int]] = {}
+        #: (bucket, key) → the TTL its value was written with (NATS would remove it then)
+        self.expiring: dict[tuple[str, str], float] = {}
         self.fail_with: Exception | None = None
         self.requests: list[tuple[str, bytes]] = []
         #: Answers `request` (None: nobody answers).
@@ -76,11 +78,12 @@ class MemoryBus:
         self._check()
         self._revision += 1
         self.kv[(bucket, key)] = (msgspec.json.encode(value), self._revision)
+        self.expiring.pop((bucket, key), None)
         return self._revision
 
     async def kv_update(self, bucket: str, key: str, type_: type[T],
-                        change: Callable[[T | None], T | None], attempts: int = 20
-                        ) -> T | None:
+                        change: Callable[[T | None], T | None], attempts: int = 20,
+                        ttl_s: float | None = None) -> T | None:
         self._check()
         if attempts < 1:
             raise BusError(f"{bucket}/{key}: too many concurrent updates")
@@ -91,11 +94,16 @@ class MemoryBus:
             return current
         self._revision += 1
         self.kv[(bucket, key)] = (msgspec.json.encode(new), self._revision)
+        if ttl_s is None:
+            self.expiring.pop((bucket, key), None)
+        else:
+            self.expiring[(bucket, key)] = ttl_s
         return new
 
     async def kv_delete(self, bucket: str, key: str) -> None:
         self._check()
         self.kv.pop((bucket, key), None)
+        self.expiring.pop((bucket, key), None)
 
     async def kv_purge(self, bucket: str, key: str) -> None:
         await self.kv_delete(bucket, key)

@@ -62,7 +62,9 @@ class NatsCluster:
 
     def __init__(self, root: Path, size: int, *, host: str = "127.0.0.1",
                  prefix: str = "m27-", authorization: str = "",
-                 tls: ServerTls | None = None) -> None:
+                 tls: ServerTls | None = None, advertise: bool = True) -> None:
+        """`advertise=False`: clients learn no member addresses from the servers (they
+        keep to the URLs they were given: `ClusterRoutes.advertise`)."""
         if size not in SIZES:
             raise M27Error(f"a NATS cluster has 1, 3 or 5 servers (an odd number, for a "
                            f"quorum), not {size}")
@@ -76,7 +78,7 @@ class NatsCluster:
                        server_name=f"{prefix}{i}", authorization=authorization, tls=tls,
                        cluster=ClusterRoutes(name=CLUSTER_NAME,
                                              listen=f"{host}:{route_ports[i - 1]}",
-                                             routes=routes))
+                                             routes=routes, advertise=advertise))
             for i in range(1, size + 1)]
 
     @property

@@ -52,11 +52,14 @@ def nats_server_version() -> str:
 
 class ClusterRoutes(msgspec.Struct, frozen=True, kw_only=True):
     """A server's place in a cluster: the cluster's name, where it listens for routes, and
-    the routes of every member (its own included: nats-server skips that one)."""
+    the routes of every member (its own included: nats-server skips that one). Without
+    `advertise` the server does not tell clients the other members' addresses: a client
+    uses only the URLs it was given (one that reaches NATS through a proxy stays on it)."""
 
     name: str
     listen: str  # host:port
     routes: tuple[str, ...]  # nats-route://host:port
+    advertise: bool = True
 
 
 class ServerTls(msgspec.Struct, frozen=True, kw_only=True):
@@ -94,7 +97,9 @@ def render_config(*, store_dir: Path, ports_dir: Path, host: str, port: int,
     if cluster is not None:
         lines += ["cluster {", f"  name: {json.dumps(cluster.name)}",
                   f"  listen: {json.dumps(cluster.listen)}",
-                  f"  routes: {json.dumps(list(cluster.routes))}", "}"]
+                  f"  routes: {json.dumps(list(cluster.routes))}"]
+        lines += [] if cluster.advertise else ["  no_advertise: true"]
+        lines += ["}"]
     if authorization:
         lines.append(authorization)
     return "\n".join([*lines, ""])

@@ -17,6 +17,8 @@ from typing import Final
 from m27.common import subjects
 from m27.common.api_auth import ApiAccess
 from m27.common.bus import Bus
+from m27.common.checkpoint_api import StorageUnavailable
+from m27.common.checkpoint_format import Manifest
 from m27.common.checkpoint_storage import CheckpointSink
 from m27.common.events import StartTask
 from m27.common.logging import get_logger
@@ -32,6 +34,9 @@ CHECKPOINT_STORE_SERVICE: Final = "checkpoint-store"
 FILES_RESTORE_TIMEOUT_S: Final = 600.0
 FILES_FINAL_UPLOAD_TIMEOUT_S: Final = 120.0
 PROTECT_TIMEOUT_S: Final = 30.0
+#: How long a restore waits out a checkpoint-store that cannot be reached (restarting,
+#: moved to another machine by its supervisor), trying again after 0.5, 1, 2 … 5 s.
+RESTORE_OUTAGE_S: Final = 120.0
 
 
 def remote_stores(access: ApiAccess | None = None) -> Callable[[str, str, int], CheckpointSink]:
@@ -54,6 +59,41 @@ class FileCheckpoints:
     max_bytes: int = 64 * 1024**3
     open_store: Callable[[str, str, int], CheckpointSink] = field(
         default_factory=remote_stores)
+
+
+async def restore_files(open_store: Callable[[str, str, int], CheckpointSink], store: str,
+                        task_id: str, attempt: int, checkpoint_dir: Path,
+                        outage_s: float = RESTORE_OUTAGE_S) -> Manifest | None:
+    """The task's latest uploaded files written into `checkpoint_dir` (None: there are
+    none), waiting out a store that cannot be reached for up to `outage_s` (found by the
+    chaos suite: a store restarting as a step moved failed the step). CannotStart when
+    it cannot be done."""
+    loop = asyncio.get_running_loop()
+    began, wait = loop.time(), 0.5
+    while True:
+        sink = open_store(store, task_id, attempt)
+        try:
+            return await asyncio.wait_for(asyncio.to_thread(
+                _checkpoint_files.restore, sink, task_id, checkpoint_dir),
+                FILES_RESTORE_TIMEOUT_S)
+        except TimeoutError as exc:
+            raise CannotStart("restoring the step's checkpoint files took more than "
+                              f"{FILES_RESTORE_TIMEOUT_S:.0f}s") from exc
+        except StorageUnavailable as exc:
+            if loop.time() + wait > began + outage_s:
+                raise CannotStart("could not restore the step's checkpoint files: the "
+                                  f"checkpoint-store was unreachable for {outage_s:.0f}s: "
+                                  f"{exc}") from exc
+            log.warning("task.checkpoint_files_restore_waits", error=str(exc)[:300],
+                        retry_in_s=wait)
+        except Exception as exc:  # the store's errors, OSError, a damaged manifest
+            raise CannotStart(f"could not restore the step's checkpoint files: {exc}") from exc
+        finally:
+            close = getattr(sink, "close", None)
+            if close is not None:
+                close()
+        await asyncio.sleep(wait)
+        wait = min(wait * 2, 5.0)
 
 
 class FileSync:
@@ -86,16 +126,8 @@ class FileSync:
         start (CannotStart): starting from scratch would silently throw the progress away."""
         if not _checkpoint_files.is_empty(checkpoint_dir):
             return
-        try:
-            restored = await asyncio.wait_for(asyncio.to_thread(
-                _checkpoint_files.restore,
-                self._settings.open_store(store, cmd.task_id, cmd.attempt),
-                cmd.task_id, checkpoint_dir), FILES_RESTORE_TIMEOUT_S)
-        except TimeoutError as exc:
-            raise CannotStart("restoring the step's checkpoint files took more than "
-                              f"{FILES_RESTORE_TIMEOUT_S:.0f}s") from exc
-        except Exception as exc:  # the store's errors, OSError, a damaged manifest
-            raise CannotStart(f"could not restore the step's checkpoint files: {exc}") from exc
+        restored = await restore_files(self._settings.open_store, store, cmd.task_id,
+                                       cmd.attempt, checkpoint_dir)
         if restored is not None:
             log.info("task.checkpoint_files_restored", checkpoint_id=restored.checkpoint_id,
                      files=len(restored.entries), bytes=restored.size_bytes,

@@ -45,6 +45,10 @@ _TABLE_HEAD: Final = (
     "Exit", "Reason",
 )
 MAX_METRIC_FIGURES: Final = 8  # per step; every metric is in the results table
+#: A GPU's curves are drawn when some GPU the step held has at least this many readings: a
+#: line through one or two says nothing its numbers in the table do not, and three SVGs per
+#: short step were most of the report service's CPU in the soak (docs/reliability.md).
+MIN_GPU_CURVE_POINTS: Final = 3
 MAX_FIGURES: Final = 120  # per report: drawing is the slow part of writing one
 
 
@@ -208,14 +212,17 @@ def _detail(run: RunRecord, index: int, step: StepRecord, found: StepEvidence,
         metric=c.name)), f"{c.name} by training step ({c.count} points)")
         for c in _take(drawn, budget)]
     gpu_figures = _gpu_figures(found.gpus, budget, simulated=step.gpu_simulated)
+    gpu_rows = _gpu_rows(found.gpus)
     return {
         "index": index, "step": step, "open": step.state in OPEN_STATES,
-        "facts": " · ".join(facts), "drawn": bool(metric_figures or gpu_figures),
+        "facts": " · ".join(facts), "drawn": bool(metric_figures or gpu_rows),
         "env": sorted(shown.items()), "outputs": _outputs(run, step),
         "attempts": [_attempt(a) for a in step.history],
         "figures": metric_figures,
         "more_metrics": max(0, len(found.curves) - len(metric_figures)),
         "gpu_figures": gpu_figures,
+        "gpu_rows": gpu_rows,
+        "gpu_simulated": step.gpu_simulated,
         "checkpoints": [{"at": _time(c.at), "attempt": c.attempt,
                          "step": NO_VALUE if c.train_step is None else c.train_step,
                          "size": _bytes(c.size_bytes), "new": _bytes(c.new_bytes),
@@ -239,7 +246,7 @@ def _gpu_figures(traces: Sequence[GpuTrace], budget: list[int], *,
     """Utilisation, memory and temperature of the GPUs the step held, over minutes since
     it first held one; a line per attempt and GPU (simulated GPUs say so)."""
     traces = [t for t in traces if t.points]
-    if not traces or budget[0] < 3:
+    if not traces or budget[0] < 3 or max(len(t.points) for t in traces) < MIN_GPU_CURVE_POINTS:
         return []
     origin = min(t.first_at for t in traces)
     out = []
@@ -257,6 +264,21 @@ def _gpu_figures(traces: Sequence[GpuTrace], budget: list[int], *,
                                      if simulated else "")))
     budget[0] -= 3
     return out
+
+
+def _gpu_rows(traces: Sequence[GpuTrace]) -> list[dict[str, str]]:
+    """Each GPU the step held, in numbers: readings, mean and highest utilisation, highest
+    memory and temperature over its span."""
+    rows = []
+    for t in traces:
+        if not t.points:
+            continue
+        util = [p.utilization_pct for p in t.points]
+        rows.append({"gpu": t.label, "share": number(t.share), "readings": str(len(t.points)),
+                     "util_mean": number(sum(util) / len(util)), "util_max": number(max(util)),
+                     "memory_max": str(max(p.memory_used_mb for p in t.points)),
+                     "temperature_max": number(max(p.temperature_c for p in t.points))})
+    return rows
 
 
 def _attempt(a: Any) -> dict[str, Any]:

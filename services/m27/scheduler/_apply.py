@@ -37,6 +37,8 @@ START_RESEND_MAX_S: Final = 300.0
 #: API shows the latest from memory): a reason quotes live figures that change nearly every
 #: cycle, and a write per waiting task per cycle was most of a cycle with 10,000 queued.
 WAIT_STORE_S: Final = 60.0
+#: How long a task's fence outlives the task (`expire_fence`).
+FENCE_KEPT_S: Final = 24 * 3600.0
 
 
 def start_resend_due(placed_at: float, sends: int, last_sent: float, now: float) -> bool:
@@ -46,6 +48,19 @@ def start_resend_due(placed_at: float, sends: int, last_sent: float, now: float)
         return now - placed_at >= START_RESEND_S
     pause = min(START_RESEND_S * 2.0 ** min(sends, 16), START_RESEND_MAX_S)
     return now - last_sent >= pause
+
+
+async def expire_fence(bus: Bus, task_id: str, attempt: int) -> None:
+    """Write the task's fence again with a TTL of FENCE_KEPT_S, if it is still `attempt`'s
+    (a newer attempt's fence stays as it is). Without it a fence stayed for every task
+    ever run. An attempt cut off from NATS fences itself within seconds (its lease), so a
+    day leaves the checkpoint-store and the agents all the time they need to refuse it; a
+    next attempt placed later writes a fence of its own, without a TTL."""
+    def same(current: Fence | None) -> Fence | None:
+        return current if current is not None and current.attempt == attempt else None
+
+    await bus.kv_update(subjects.FENCES_BUCKET, subjects.task_key(task_id), Fence, same,
+                        ttl_s=FENCE_KEPT_S)
 
 
 class Table:
@@ -70,7 +85,12 @@ class Table:
         self.entries[entry.task.task_id] = entry
 
     async def forget(self, task_id: str) -> None:
+        """The task is over (or its attempt is, until the orchestrator enqueues the next):
+        out of the table, and its fence kept for FENCE_KEPT_S more, then removed by NATS."""
+        entry = self.entries.get(task_id)
         await self.bus.kv_delete(subjects.TASKS_BUCKET, subjects.task_key(task_id))
+        if entry is not None:
+            await expire_fence(self.bus, entry.task.task_id, entry.task.attempt)
         self.entries.pop(task_id, None)
         self.stored_at.pop(task_id, None)
 

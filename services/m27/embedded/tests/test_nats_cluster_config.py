@@ -28,6 +28,12 @@ def test_a_member_config_names_its_cluster_listen_address_and_every_route() -> N
     alone = render_config(store_dir=Path("/s"), ports_dir=Path("/p"), host="127.0.0.1",
                           port=0, server_name="m27")
     assert "cluster" not in alone
+    assert "no_advertise" not in text
+    hidden = render_config(store_dir=Path("/s"), ports_dir=Path("/p"), host="127.0.0.1",
+                           port=4001, server_name="m27-1",
+                           cluster=ClusterRoutes(name="m27", listen="127.0.0.1:7001",
+                                                 routes=routes, advertise=False))
+    assert "\n  no_advertise: true\n}" in hidden
 
 
 def test_members_have_their_own_names_stores_and_ports(tmp_path: Path) -> None:
@@ -39,6 +45,9 @@ def test_members_have_their_own_names_stores_and_ports(tmp_path: Path) -> None:
     listens = [s.cluster.listen for s in cluster.servers if s.cluster]
     assert len(set(ports) | set(listens)) == 6
     assert all(s.cluster and len(s.cluster.routes) == 3 for s in cluster.servers)
+    assert all(s.cluster and s.cluster.advertise for s in cluster.servers)
+    quiet = NatsCluster(tmp_path / "quiet", 3, advertise=False)
+    assert not any(s.cluster and s.cluster.advertise for s in quiet.servers)
 
 
 @pytest.mark.parametrize("size", [0, 2, 4, 7])

@@ -326,7 +326,7 @@ def test_gpu_energy_is_shown_and_marked_simulated_when_modelled() -> None:
 
 # -- v2: what the history holds of the run ------------------------------------------------
 
-def _evidence(steps: int = 1, metrics: int = 2) -> tuple[RunRecord, Any]:
+def _evidence(steps: int = 1, metrics: int = 2, readings: int = 5) -> tuple[RunRecord, Any]:
     from m27.common.curves import summarize
     from m27.report.evidence import GpuTrace, RunEvidence, StepEvidence
     from m27.report.store import AnomalyMark, CheckpointMark, GpuPoint
@@ -336,7 +336,7 @@ def _evidence(steps: int = 1, metrics: int = 2) -> tuple[RunRecord, Any]:
                             outputs=("out/model.pt", "/abs/path with space.txt"))
                    for n in names), workdir="/home/alice/exp")
     points = tuple(GpuPoint(at=T0 + 10 + i, utilization_pct=50.0, memory_used_mb=100,
-                            temperature_c=40.0, power_w=None) for i in range(5))
+                            temperature_c=40.0 + i, power_w=None) for i in range(readings))
     found = {n: StepEvidence(
         curves=tuple(summarize(n, f"loss{k}" if k else "loss", [0, 1, 2], [2.0, 0.5, 0.7])
                      for k in range(metrics)),
@@ -370,6 +370,20 @@ def test_the_report_shows_results_curves_gpus_checkpoints_and_anomalies() -> Non
     assert 'href="file:///home/alice/exp/out/model.pt"' in document
     assert 'href="file:///abs/path%20with%20space.txt"' in document
     assert document == render_run_report(record, generated_at=GENERATED, evidence=found)
+
+
+@pytest.mark.parametrize("readings", [1, 2])
+def test_a_gpu_held_for_a_reading_or_two_is_shown_in_numbers_not_drawn(readings: int) -> None:
+    """Found in the soak: three SVG curves per short GPU step were most of the report
+    service's CPU. Fewer readings than a curve needs: the table only."""
+    record, found = _evidence(readings=readings)
+    document = render_run_report(record, generated_at=GENERATED, evidence=found)
+    assert parse(document).errors == []
+    assert document.count("<svg") == 1 + 2  # the timeline, the two metrics; no GPU curve
+    assert "<h3>GPUs held</h3>" in document
+    assert (f'<td>attempt 1 · node-a GPU 0</td><td class="num">1</td>'
+            f'<td class="num">{readings}</td><td class="num">50</td><td class="num">50</td>'
+            f'<td class="num">100</td><td class="num">{39 + readings}</td>') in document
 
 
 def test_a_report_draws_at_most_its_figure_budget(monkeypatch: pytest.MonkeyPatch) -> None:

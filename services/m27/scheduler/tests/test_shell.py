@@ -15,9 +15,9 @@ from m27.common import events, subjects
 from m27.common.config import Config, SchedulerSection, load_config, parse_map
 from m27.common.errors import ConfigError
 from m27.common.memory_bus import MemoryBus
-from m27.common.model import GpuInfo, GpuSample, NodeInfo, Resources
+from m27.common.model import Fence, GpuInfo, GpuSample, NodeInfo, Resources
 from m27.scheduler import api, policy, service
-from m27.scheduler._apply import Effects, Table
+from m27.scheduler._apply import FENCE_KEPT_S, Effects, Table
 from m27.scheduler._state import (
     Maintenance,
     NodeView,
@@ -170,6 +170,32 @@ async def test_each_decision_applied_twice_has_one_effect(
     assert (a.placement.gpu_milli, a.placement.lender, a.stopping) == (500, "r/main",
                                                                        "make room")
     assert (b.wait_reason, b.staged_nodes, b.placement) == ("needs 1 GPU", ("n1",), None)
+
+
+async def test_a_forgotten_task_leaves_its_fence_to_expire_a_newer_attempts_stays(
+        shell: tuple[MemoryBus, Table, Effects]) -> None:
+    """Found in the soak: a fence stayed for every task ever run (the bucket grew for
+    good). An ended attempt's fence is written again with a TTL; a newer one is not."""
+    bus, table, effects = shell
+    await table.store(TaskEntry(task=task("a"), queued_at=1.0))
+    await effects.apply(Place(task_id="r/a", attempt=1, node_id="n1", gpu_ids=(0,),
+                              gpu_milli=1000, reason="fits"), {"n1": info("n1")}, 5.0)
+    fence_key = (subjects.FENCES_BUCKET, "r.a")
+    assert fence_key in bus.kv
+    assert fence_key not in bus.expiring  # a running task's fence never expires
+    await table.forget("r/a")
+    assert (subjects.TASKS_BUCKET, "r.a") not in bus.kv
+    assert bus.expiring[fence_key] == FENCE_KEPT_S
+    fence = await bus.kv_get(subjects.FENCES_BUCKET, "r.a", Fence)
+    assert fence is not None
+    assert fence[0].attempt == 1  # still refuses attempt 0, and anything stale
+    await table.store(TaskEntry(task=task("a", attempt=2), queued_at=1.0))
+    await effects.apply(Place(task_id="r/a", attempt=2, node_id="n1", gpu_ids=(0,),
+                              gpu_milli=1000, reason="fits"), {"n1": info("n1")}, 9.0)
+    assert fence_key not in bus.expiring  # the next attempt's fence stays
+    table.entries["r/a"] = TaskEntry(task=task("a", attempt=1), queued_at=1.0)
+    await table.forget("r/a")  # an old attempt's end leaves the newer fence alone
+    assert fence_key not in bus.expiring
 
 
 async def test_a_changing_wait_reason_is_written_at_most_every_wait_store_s(
