@@ -100,6 +100,25 @@ GPU_HEADER: Final = (f"    {'GPU':<6} {'UTIL':>5}  {'MEMORY':<16} {'TEMP':>6}  {
                      f"{'THROTTLE':<9} TASKS")
 
 
+def platform_line(node: NodeStatus) -> str:
+    """`    GPUs: 2 x NVIDIA A100-SXM4-80GB; driver 550.54.15, CUDA 12.4, NVML 12.550.54.15`
+    (no versions where the node knows none: a simulated one), and what differs from most
+    nodes, in capitals (m27.common.platform)."""
+    models: dict[str, int] = {}
+    for gpu in node.gpus:
+        models[gpu.name] = models.get(gpu.name, 0) + 1
+    kinds = ", ".join(f"{n} x {name}" for name, n in models.items())
+    known = [(label, value) for label, value in (("driver", node.driver_version),
+                                                 ("CUDA", node.cuda_version),
+                                                 ("NVML", node.nvml_version))]
+    versions = ("; " + ", ".join(f"{label} {value or 'unknown'}" for label, value in known)
+                if any(value for _, value in known) else "")
+    line = f"    GPUs: {kinds}{versions}"
+    if node.platform_differences:
+        line += f"  DIFFERS: {'; '.join(node.platform_differences)}"
+    return line
+
+
 def node_line(node: NodeStatus, width: int, maintenance: str = "") -> str:
     extras = [name for name, on in (("cgroups", node.cgroups), ("mps", node.mps)) if on]
     state = node.state.upper() if node.state == "lost" else node.state
@@ -126,6 +145,7 @@ def render_nodes(nodes: Sequence[NodeStatus],
     for node in nodes:
         lines.append(node_line(node, width, marks.get(node.node_id, "")))
         if node.gpus:
+            lines.append(platform_line(node))
             lines.append(GPU_HEADER)
             lines.extend(gpu_line(g) for g in node.gpus)
     return lines

@@ -21,6 +21,7 @@ from m27.cli._common import Subparsers, add, parse_since, with_client
 from m27.client import BusEvent, Client
 from m27.common import events as ev
 from m27.common.errors import M27Error
+from m27.common.platform import Platform
 from m27.common.units import format_size
 
 TYPE_WIDTH: Final = 20
@@ -43,7 +44,7 @@ TaskScoped = (ev.TaskPlaced | ev.TaskStarted | ev.TaskExited | ev.TaskIdle | ev.
               | ev.TaskStaged | ev.TaskOverShare | ev.TrainingAnomaly
               | ev.CheckpointCommitted | ev.CheckpointCorrupt)
 NodeScoped = (ev.NodeRegistered | ev.NodeHeartbeat | ev.NodeStopping | ev.NodeStopped
-              | ev.NodeLost | ev.GpuMemoryLeak)
+              | ev.NodeLost | ev.GpuMemoryLeak | ev.NodePlatformDiffers)
 
 
 def add_commands(sub: Subparsers) -> None:
@@ -222,7 +223,8 @@ def _node_details(event: NodeScoped) -> str:
     match event:
         case ev.NodeRegistered():
             return (f"registered: {_text(event.hostname)}, {_count(len(event.gpus), 'GPU')} "
-                    f"({event.backend}), {_count(event.cpu_slots, 'CPU slot')}")
+                    f"({event.backend}), {_count(event.cpu_slots, 'CPU slot')}"
+                    + _platform(event.platform))
         case ev.NodeHeartbeat():
             return f"heartbeat: {_count(len(event.running), 'task')} running"
         case ev.NodeStopping():
@@ -235,8 +237,18 @@ def _node_details(event: NodeScoped) -> str:
             return (f"GPU {event.gpu_index}: {event.memory_mb} MiB still held after "
                     f"{event.task_id} by pid {_ids(event.pids)}, "
                     + ("cleaned" if event.cleaned else "left (not ours to kill)"))
+        case ev.NodePlatformDiffers():
+            if not event.differences:
+                return "driver and CUDA agree with most nodes again"
+            return "platform differs: " + "; ".join(_text(d) for d in event.differences)
         case _:
             assert_never(event)
+
+
+def _platform(platform: Platform) -> str:
+    known = [f"{label} {_text(value)}" for label, value in
+             (("driver", platform.driver), ("CUDA", platform.cuda)) if value]
+    return f", {', '.join(known)}" if known else ""
 
 
 def _unknown(text: str) -> tuple[str, float]:

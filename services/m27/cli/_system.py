@@ -173,7 +173,21 @@ def cmd_status(args: argparse.Namespace) -> int:
 
     for node_id, held in sorted(maintenance_states(args).items()):
         print(f"  node {node_id} is {held} (`m27 node uncordon {node_id}` returns it)")
+    for line in platform_warnings(args):
+        print(line)
     return 0 if system.is_up(state) else 1
+
+
+def platform_warnings(args: argparse.Namespace) -> list[str]:
+    """Nodes whose driver or CUDA differs from most live nodes' (none when the API cannot
+    be reached: the rest of `m27 status` does not depend on it)."""
+    try:
+        nodes = with_client(args, lambda c: c.list_nodes())
+    except M27Error:
+        return []
+    return [f"  WARNING node {n.node_id} differs from most nodes: "
+            f"{'; '.join(n.platform_differences)} (a lab's nodes should run one driver and "
+            "one CUDA version)" for n in nodes if n.platform_differences]
 
 
 def status_line(row: system.ProcessStatus, now: float) -> str:

@@ -56,6 +56,11 @@ class NodeStatus(msgspec.Struct, frozen=True, kw_only=True):
     cgroups: bool = False
     mps: bool = False
     incarnation: str = ""
+    driver_version: str = ""  # "" unknown (no NVML, a simulated GPU given none)
+    cuda_version: str = ""
+    nvml_version: str = ""
+    #: How its driver or CUDA differs from most live nodes'; () when it agrees.
+    platform_differences: tuple[str, ...] = ()
 
 
 def _gpu_from_proto(message: pb.Gpu) -> GpuStatus:
@@ -75,7 +80,10 @@ def node_from_proto(message: pb.Node) -> NodeStatus:
         state=message.state, heartbeat_age_s=message.heartbeat_age_s,
         cpu_slots=message.cpu_slots, cpu_used=message.cpu_used,
         gpus=tuple(_gpu_from_proto(g) for g in message.gpus), cgroups=message.cgroups,
-        mps=message.mps, incarnation=message.incarnation)
+        mps=message.mps, incarnation=message.incarnation,
+        driver_version=message.driver_version, cuda_version=message.cuda_version,
+        nvml_version=message.nvml_version,
+        platform_differences=tuple(message.platform_differences))
 
 
 def chunk_from_proto(message: pb.LogChunk) -> LogChunk:

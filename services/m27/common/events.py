@@ -27,6 +27,7 @@ from m27.common.model import (
     TaskHolding,
     Urgency,
 )
+from m27.common.platform import Platform
 
 _TAG: Final = "type"
 
@@ -241,6 +242,7 @@ class NodeRegistered(_Message, frozen=True, tag="node_registered"):
     backend: GpuBackend
     gpus: tuple[GpuInfo, ...]
     cpu_slots: int
+    platform: Platform = Platform()
 
 
 class NodeHeartbeat(_Message, frozen=True, tag="node_heartbeat"):
@@ -288,6 +290,15 @@ class NodeLost(_Message, frozen=True, tag="node_lost"):
     last_heartbeat: float
 
 
+class NodePlatformDiffers(_Message, frozen=True, tag="node_platform_differs"):
+    """The node's driver or CUDA version differs from most nodes' (a lab runs one of
+    each); `differences` empty: it agrees again. From the scheduler, when it changes."""
+
+    node_id: str
+    differences: tuple[str, ...]
+    platform: Platform
+
+
 Event = (
     RunSubmitted
     | RunStateChanged
@@ -309,6 +320,7 @@ Event = (
     | NodeStopping
     | NodeStopped
     | NodeLost
+    | NodePlatformDiffers
 )
 TaskEvent = TaskPlaced | TaskStarted | TaskExited
 

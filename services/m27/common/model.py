@@ -11,6 +11,8 @@ from typing import Final, Literal
 
 import msgspec
 
+from m27.common.platform import Platform, Requirements
+
 StepType = Literal["cpu", "gpu", "gpu_light"]
 StepState = Literal[
     "pending", "queued", "running", "retrying", "succeeded", "failed", "cancelled", "skipped"
@@ -55,6 +57,15 @@ class Resources(msgspec.Struct, frozen=True, kw_only=True):
     cpus: int = 1
     gpu_memory_mb: int = 0  # 0: the share's proportion of the GPU's memory
     memory_mb: int = 0  # 0: no limit asked for
+    #: Where it may run (m27.common.platform): GPU model words ("A100|H100"), and driver
+    #: and CUDA version requirements (">=12.1"); "" for none.
+    gpu_model: str = ""
+    driver: str = ""
+    cuda: str = ""
+
+    @property
+    def requirements(self) -> Requirements:
+        return Requirements(gpu_model=self.gpu_model, driver=self.driver, cuda=self.cuda)
 
     @property
     def gpu_tenths(self) -> int:
@@ -293,6 +304,7 @@ class NodeInfo(msgspec.Struct, frozen=True, kw_only=True):
     cgroups: bool = False  # CPU/memory limits enforced through cgroup v2
     mps: bool = False  # a CUDA MPS daemon shares the GPUs
     metrics_address: str = ""  # Prometheus /metrics, host:port
+    platform: Platform = Platform()  # driver, CUDA and NVML versions ("" unknown)
 
 
 class ServiceInfo(msgspec.Struct, frozen=True, kw_only=True):

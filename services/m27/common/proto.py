@@ -78,7 +78,9 @@ def _opt_time(value: float) -> float | None:
 
 def _resources_to_proto(resources: Resources) -> pb.Resources:
     return pb.Resources(gpus=resources.gpus, cpus=resources.cpus,
-                        gpu_memory_mb=resources.gpu_memory_mb, memory_mb=resources.memory_mb)
+                        gpu_memory_mb=resources.gpu_memory_mb, memory_mb=resources.memory_mb,
+                        gpu_model=resources.gpu_model, driver=resources.driver,
+                        cuda=resources.cuda)
 
 
 def _attempt_to_proto(attempt: AttemptRecord) -> pb.Attempt:
@@ -146,7 +148,8 @@ def step_from_proto(message: pb.Step) -> StepRecord:
         preemptible=message.preemptible, timeout_s=message.timeout_s or None,
         workdir=message.workdir,
         resources=Resources(gpus=r.gpus, cpus=r.cpus or 1, gpu_memory_mb=r.gpu_memory_mb,
-                            memory_mb=r.memory_mb),
+                            memory_mb=r.memory_mb, gpu_model=r.gpu_model, driver=r.driver,
+                            cuda=r.cuda),
         stdout_path=message.stdout_path, stderr_path=message.stderr_path,
         energy_j=message.energy_j or None,
         checkpoint_interval_s=message.checkpoint_interval_s or None,

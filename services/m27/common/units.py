@@ -21,7 +21,11 @@ def parse_duration(text: str | int | float) -> float:
     if isinstance(text, bool):
         raise ValueError(f"expected a duration such as 300s, 5m or 1h, got {text!r}")
     if isinstance(text, int | float):
-        value = float(text)
+        try:
+            value = float(text)
+        except OverflowError:  # an int past float's range (10**400)
+            raise ValueError(f"expected a duration such as 300s, 5m or 1h, got a number of "
+                             f"{len(str(abs(text)))} digits") from None
     else:
         match = _DURATION_RE.fullmatch(text)
         if not match:

@@ -21,6 +21,7 @@ import msgspec
 import pynvml
 
 from m27.common.model import GpuBackend, GpuInfo, GpuSample, per_gpu_share
+from m27.common.platform import Platform
 from m27.node_agent import _nvml
 from m27.node_agent._gpus import (
     GpuSpec,
@@ -47,6 +48,11 @@ class Backend(Protocol):
 
     @property
     def gpus(self) -> tuple[GpuInfo, ...]: ...
+
+    @property
+    def platform(self) -> Platform:
+        """Driver, CUDA and NVML versions ("" where not known)."""
+        ...
 
     def sample(self, holdings: Sequence[Holding], now: float) -> tuple[GpuSample, ...]: ...
 
@@ -224,6 +230,7 @@ class NoGpus:
 
     kind: GpuBackend = "none"
     gpus: tuple[GpuInfo, ...] = ()
+    platform: Platform = Platform()
 
     def sample(self, holdings: Sequence[Holding], now: float) -> tuple[GpuSample, ...]:
         return ()
@@ -250,8 +257,9 @@ class SimulatedGpus:
     kind: GpuBackend = "simulated"
 
     def __init__(self, gpus: tuple[GpuInfo, ...], node_id: str = "",
-                 proc: Path = PROC) -> None:
+                 proc: Path = PROC, platform: Platform | None = None) -> None:
         self.gpus = gpus
+        self.platform = platform or Platform()
         self._node_id = node_id
         self._proc = proc
         self._envs = EnvCache(proc)
@@ -337,6 +345,7 @@ class NvmlGpus:
         self._envs = EnvCache(proc)
         self._unmeasured: dict[int, frozenset[str]] = {}
         self.gpus = tuple(_nvml.read_info(lib, h, i) for i, h in enumerate(handles))
+        self.platform = _nvml.read_platform(lib)
 
     def sample(self, holdings: Sequence[Holding], now: float) -> tuple[GpuSample, ...]:
         readings = [_nvml.read_reading(self._lib, h, i) for i, h in enumerate(self._handles)]
@@ -367,9 +376,12 @@ def open_backend(spec: GpuSpec, node_id: str,
         return NoGpus(), "no GPUs (--gpus none)"
     if spec.mode == "sim":
         gpus = simulated_gpus(node_id, spec)
-        return SimulatedGpus(gpus, node_id), (
+        claimed = ", ".join(f"{k} {v}" for k, v in (("model", spec.model),
+                                                     ("driver", spec.platform.driver),
+                                                     ("CUDA", spec.platform.cuda)) if v)
+        return SimulatedGpus(gpus, node_id, platform=spec.platform), (
             f"SIMULATED GPUs: {spec.count} x {spec.memory_mb} MiB, not real hardware "
-            f"(--gpus sim:{spec.count})")
+            f"(--gpus sim:{spec.count})" + (f"; claims {claimed}" if claimed else ""))
     handles, why = _nvml.probe(lib)
     if not handles:
         return NoGpus(), (f"no GPUs: {why}; running CPU tasks only "
@@ -381,4 +393,6 @@ def open_backend(spec: GpuSpec, node_id: str,
         return NoGpus(), (f"no GPUs: NVML could not read them ({exc}); running CPU tasks "
                           "only (--gpus sim:N simulates N GPUs)")
     names = ", ".join(sorted({g.name for g in backend.gpus}))
-    return backend, f"{len(handles)} NVIDIA GPU(s) through NVML: {names}"
+    versions = backend.platform
+    return backend, (f"{len(handles)} NVIDIA GPU(s) through NVML: {names}; driver "
+                     f"{versions.driver or 'unknown'}, CUDA {versions.cuda or 'unknown'}")

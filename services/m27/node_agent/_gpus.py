@@ -21,6 +21,7 @@ from typing import Final, Literal
 import msgspec
 
 from m27.common.model import GpuInfo, GpuProcess, GpuSample, per_gpu_share
+from m27.common.platform import Platform, parse_version
 from m27.common.units import parse_size
 
 MIB: Final = 1024 * 1024
@@ -40,24 +41,53 @@ SIM_BUSY_POWER_W: Final = 300.0
 SIM_POWER_LIMIT_W: Final = 300.0
 
 GpuMode = Literal["auto", "none", "sim"]
-_SPEC_HELP: Final = "expected auto, none, sim:N or sim:NxMEM (e.g. sim:2 or sim:2x16GiB)"
+_SPEC_HELP: Final = ("expected auto, none, sim:N or sim:NxMEM, optionally followed by "
+                     ",model=NAME,driver=VERSION,cuda=VERSION (e.g. sim:2, sim:2x16GiB or "
+                     "sim:2x80GiB,model=A100,driver=550.54.15,cuda=12.4)")
+SIM_OPTIONS: Final = ("model", "driver", "cuda")
+MAX_SIM_MODEL_CHARS: Final = 64
 
 
 class GpuSpec(msgspec.Struct, frozen=True, kw_only=True):
-    """What `--gpus` asked for: detect (`auto`), no GPUs, or N simulated GPUs of MEM each."""
+    """What `--gpus` asked for: detect (`auto`), no GPUs, or N simulated GPUs of MEM each
+    (of a `model`, on a node claiming a `driver` and `cuda` version, for testing placement
+    rules; the GPUs still say they are simulated)."""
 
     mode: GpuMode
     count: int = 0
     memory_mb: int = 0
+    model: str = ""
+    platform: Platform = Platform()
+
+
+def _sim_options(text: str, options: str) -> dict[str, str]:
+    found: dict[str, str] = {}
+    for part in filter(None, (p.strip() for p in options.split(","))):
+        key, sep, value = part.partition("=")
+        key, value = key.strip().lower(), value.strip()
+        if not sep or key not in SIM_OPTIONS or not value or key in found:
+            raise ValueError(f"{_SPEC_HELP}, got {text!r}")
+        if key == "model":
+            if len(value) > MAX_SIM_MODEL_CHARS or not value.isprintable():
+                raise ValueError(f"simulated GPU model must be printable and at most "
+                                 f"{MAX_SIM_MODEL_CHARS} characters, got {text!r}")
+        elif parse_version(value) is None:
+            raise ValueError(f"simulated {key} version must be dotted numbers "
+                             f"(e.g. 12.4), got {value!r} in {text!r}")
+        found[key] = value
+    return found
 
 
 def parse_gpu_spec(text: str) -> GpuSpec:
-    """`auto` | `none` | `sim:N` | `sim:NxMEM`; ValueError saying what is accepted."""
-    lowered = text.strip().lower()
-    if lowered in ("auto", "none"):
+    """`auto` | `none` | `sim:N` | `sim:NxMEM`, a `sim:` one optionally with
+    `,model=…,driver=…,cuda=…`; ValueError saying what is accepted."""
+    head, _, options = text.strip().partition(",")
+    lowered = head.strip().lower()
+    if lowered in ("auto", "none") and not options:
         return GpuSpec(mode="auto" if lowered == "auto" else "none")
     if not lowered.startswith("sim:"):
         raise ValueError(f"{_SPEC_HELP}, got {text!r}")
+    extra = _sim_options(text, options)
     count_text, sep, memory_text = lowered[4:].partition("x")
     if not count_text.strip().isdigit():
         raise ValueError(f"{_SPEC_HELP}, got {text!r}")
@@ -73,13 +103,17 @@ def parse_gpu_spec(text: str) -> GpuSpec:
             raise ValueError(f"bad GPU memory in {text!r}: {exc}") from exc
         if memory_mb < 1:
             raise ValueError(f"simulated GPU memory must be at least 1MiB, got {text!r}")
-    return GpuSpec(mode="sim", count=count, memory_mb=memory_mb)
+    return GpuSpec(mode="sim", count=count, memory_mb=memory_mb, model=extra.get("model", ""),
+                   platform=Platform(driver=extra.get("driver", ""),
+                                     cuda=extra.get("cuda", "")))
 
 
 def simulated_gpus(node_id: str, spec: GpuSpec) -> tuple[GpuInfo, ...]:
-    """The GPUs a `sim:` spec stands for, labelled simulated in every field that can say so."""
+    """The GPUs a `sim:` spec stands for, labelled simulated in every field that can say so
+    (a `model` is added to the name: "m27 simulated GPU (A100)")."""
+    name = f"{SIM_NAME} ({spec.model})" if spec.model else SIM_NAME
     return tuple(
-        GpuInfo(index=i, name=SIM_NAME, uuid=f"SIM-{node_id}-{i}",
+        GpuInfo(index=i, name=name, uuid=f"SIM-{node_id}-{i}",
                 memory_total_mb=spec.memory_mb, simulated=True)
         for i in range(spec.count)
     )

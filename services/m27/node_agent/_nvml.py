@@ -16,6 +16,7 @@ from typing import Any, Final, TypeVar
 import pynvml
 
 from m27.common.model import GpuInfo, GpuProcess, GpuSample
+from m27.common.platform import Platform, cuda_from_nvml
 
 MIB: Final = 1024 * 1024
 
@@ -158,6 +159,20 @@ def read_info(lib: NvmlLib, handle: NvmlHandle, index: int) -> GpuInfo:
     memory = lib.nvmlDeviceGetMemoryInfo(handle)
     return gpu_info_from_raw(index, lib.nvmlDeviceGetName(handle),
                              lib.nvmlDeviceGetUUID(handle), memory.total)
+
+
+def read_platform(lib: NvmlLib) -> Platform:
+    """Driver, CUDA (the newest the driver supports) and NVML versions; "" for any this
+    driver does not answer."""
+    driver = _optional(lib.nvmlSystemGetDriverVersion)
+    cuda_call = _named(lib, "nvmlSystemGetCudaDriverVersion_v2",
+                       "nvmlSystemGetCudaDriverVersion")
+    cuda = _optional(cuda_call) if cuda_call is not None else None
+    nvml_call = _named(lib, "nvmlSystemGetNVMLVersion")
+    nvml = _optional(nvml_call) if nvml_call is not None else None
+    return Platform(driver=text(driver) if driver is not None else "",
+                    cuda=cuda_from_nvml(int(cuda)) if cuda else "",
+                    nvml=text(nvml) if nvml is not None else "")
 
 
 def _optional(call: Callable[[], T]) -> T | None:

@@ -159,13 +159,14 @@ class NodeAgent:
                         last_heartbeat=now, pid=os.getpid(), version=__version__,
                         incarnation=self.incarnation, seq=1,
                         cgroups=self.cgroups.enabled, mps=self.mps,
-                        metrics_address=self.metrics_address)
+                        metrics_address=self.metrics_address,
+                        platform=self._backend.platform)
         await self._bus.kv_put(subjects.NODES_BUCKET, self._node_id, info)
         self.lease.renewed(monotonic())
         self._info = info
         await self._bus.publish(subjects.node_events(self._node_id), events.NodeRegistered(
             at=now, node_id=self._node_id, hostname=info.hostname, backend=info.backend,
-            gpus=info.gpus, cpu_slots=info.cpu_slots))
+            gpus=info.gpus, cpu_slots=info.cpu_slots, platform=info.platform))
         log.log(logging.INFO if self.cgroups.enabled else logging.WARNING, "node.isolation",
                 cpu_memory_limits="enforced" if self.cgroups.enabled else "NOT enforced",
                 detail=self.cgroups.reason,

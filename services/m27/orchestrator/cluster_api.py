@@ -18,7 +18,7 @@ from typing import Final, Literal, TypeVar
 import grpc
 import msgspec
 
-from m27.common import api_access, logfiles, subjects
+from m27.common import api_access, logfiles, platform, subjects
 from m27.common.api_auth import ApiAccess, caller
 from m27.common.bus import Bus
 from m27.common.errors import (
@@ -112,14 +112,24 @@ def _gpu_to_proto(gpu: GpuInfo, sample: GpuSample | None,
 
 
 def node_to_proto(info: NodeInfo, *, now: float, node_timeout: float,
-                  cpu_used: int) -> pb.Node:
+                  cpu_used: int, differences: Sequence[str] = ()) -> pb.Node:
     samples = {s.index: s for s in info.samples}
     return pb.Node(
         node_id=info.node_id, hostname=info.hostname, backend=info.backend,
         state=node_state(info, now, node_timeout),
         heartbeat_age_s=max(0.0, now - info.last_heartbeat), cpu_slots=info.cpu_slots,
         cpu_used=cpu_used, cgroups=info.cgroups, mps=info.mps, incarnation=info.incarnation,
-        gpus=[_gpu_to_proto(g, samples.get(g.index), info.holdings) for g in info.gpus])
+        gpus=[_gpu_to_proto(g, samples.get(g.index), info.holdings) for g in info.gpus],
+        driver_version=info.platform.driver, cuda_version=info.platform.cuda,
+        nvml_version=info.platform.nvml, platform_differences=list(differences))
+
+
+def live_differences(nodes: Sequence[NodeInfo], *, now: float,
+                     node_timeout: float) -> dict[str, tuple[str, ...]]:
+    """Driver/CUDA differences among the nodes that are up (a stopped or lost node's old
+    driver is no warning)."""
+    return platform.differences({n.node_id: n.platform for n in nodes
+                                 if node_state(n, now, node_timeout) == "up"})
 
 
 class _Booking(msgspec.Struct):
@@ -258,9 +268,11 @@ class ClusterServicer(pb_grpc.ClusterServiceServicer):
         nodes = await self._all(subjects.NODES_BUCKET, NodeInfo)
         booked = cpus_booked(await self._all(subjects.TASKS_BUCKET, _TaskEntry))
         now = self.clock()
+        differ = live_differences(nodes, now=now, node_timeout=self.node_timeout)
         return pb.ListNodesResponse(nodes=[
             node_to_proto(n, now=now, node_timeout=self.node_timeout,
-                          cpu_used=booked.get(n.node_id, 0))
+                          cpu_used=booked.get(n.node_id, 0),
+                          differences=differ.get(n.node_id, ()))
             for n in sorted(nodes, key=lambda n: n.node_id)])
 
     async def _all(self, bucket: str, type_: type[T]) -> list[T]:

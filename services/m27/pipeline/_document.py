@@ -7,6 +7,7 @@ dependency graph are handled by `pipeline`, which turns them into StepRecords.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Final
 
@@ -27,6 +28,12 @@ from m27.common.model import (
     StepType,
     Urgency,
 )
+from m27.common.platform import (
+    PlatformError,
+    Requirements,
+    model_alternatives,
+    parse_requirement,
+)
 from m27.pipeline._yaml import NULL, Reader, kind
 
 TOP_KEYS: Final = ("name", "vars", "priority", "preemptible", "pipeline")
@@ -34,7 +41,7 @@ STEP_KEYS: Final = ("name", "type", "command", "depends_on", "output", "outputs"
                     "checkpoint", "resources", "priority", "preemptible", "retries",
                     "timeout", "env", "workdir", "matrix", "max_parallel",
                     "checkpoint_signal", "secrets", "monitor")
-RESOURCE_KEYS: Final = ("gpus", "gpu_memory", "cpus", "memory")
+RESOURCE_KEYS: Final = ("gpus", "gpu_memory", "cpus", "memory", "gpu_model", "driver", "cuda")
 RETRY_KEYS: Final = ("failure", "infrastructure", "backoff")
 BACKOFF_KEYS: Final = ("initial", "factor", "max")
 MONITOR_KEYS: Final = ("metric", "mode", "window", "warmup", "spike", "divergence",
@@ -75,6 +82,7 @@ class RawStep:
     gpu_memory_mb: int = 0
     cpus: int = 1
     memory_mb: int = 0
+    requirements: Requirements = field(default_factory=Requirements)
     urgency: Urgency | None = None
     preemptible: bool | None = None
     retry: RetryPolicy = field(default_factory=RetryPolicy)
@@ -258,6 +266,27 @@ class DocumentReader(Reader):
             step.gpu_memory_mb = self.size_mb(fields["gpu_memory"], f"{path}.gpu_memory") or 0
         if "memory" in fields:
             step.memory_mb = self.size_mb(fields["memory"], f"{path}.memory") or 0
+        step.requirements = self._requirements(fields, path)
+
+    def _requirements(self, fields: Mapping[str, yaml.Node], path: str) -> Requirements:
+        """`gpu_model`, `driver`, `cuda`: where the step may run (m27.common.platform)."""
+        written: dict[str, str] = {}
+        for key in ("gpu_model", "driver", "cuda"):
+            if key not in fields:
+                continue
+            value = self.string(fields[key], f"{path}.{key}")
+            if value is None:
+                continue
+            try:
+                if key == "gpu_model":
+                    model_alternatives(value)
+                else:
+                    parse_requirement(value, key)
+            except PlatformError as exc:
+                self.problem(fields[key], f"{path}.{key}", str(exc))
+                continue
+            written[key] = value.strip()
+        return Requirements(**written)
 
     def _retries(self, node: yaml.Node, path: str) -> RetryPolicy:
         """`retries: 2` (program failures) or the full form with its backoff."""

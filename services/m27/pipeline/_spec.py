@@ -313,8 +313,16 @@ def _kind(raw: RawStep, share: float, problems: list[Problem]) -> tuple[StepType
     if raw.gpu_memory_mb and gpus == 0:
         problems.append(problem_at(raw.gpus_node or raw.node, f"{raw.path}.resources",
                                    "gpu_memory is set but the step uses no GPU"))
+    needs = raw.requirements
+    if needs and gpus == 0:
+        problems.append(problem_at(raw.gpus_node or raw.node, f"{raw.path}.resources",
+                                   f"{needs.text()} is required but the step uses no GPU",
+                                   "GPU model, driver and CUDA requirements are for GPU "
+                                   "steps"))
     return step_type, Resources(gpus=round(gpus, 1), cpus=raw.cpus,
-                                gpu_memory_mb=raw.gpu_memory_mb, memory_mb=raw.memory_mb)
+                                gpu_memory_mb=raw.gpu_memory_mb, memory_mb=raw.memory_mb,
+                                gpu_model=needs.gpu_model, driver=needs.driver,
+                                cuda=needs.cuda)
 
 
 def _reference_path(path: str, step_workdir: str, run_workdir: str) -> str:

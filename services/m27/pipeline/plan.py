@@ -14,6 +14,12 @@ from typing import Final
 import msgspec
 
 from m27.common.model import GpuInfo, NodeInfo, StepRecord
+from m27.common.platform import (
+    Requirements,
+    any_model_matches,
+    model_alternatives,
+    platform_misses,
+)
 from m27.common.units import format_duration, format_size
 from m27.pipeline import dag
 from m27.pipeline._spec import PipelineSpec
@@ -151,7 +157,26 @@ def _unfit(step: StepRecord, nodes: Sequence[NodeInfo]) -> str:
         largest = max((g.memory_total_mb for n in fitting for g in n.gpus), default=0)
         return (f"needs {format_size(need.gpu_memory_mb << 20)} of GPU memory; the largest "
                 f"GPU has {format_size(largest << 20)}")
-    return ""
+    return _unmet(need.requirements, fitting, count)
+
+
+def _unmet(needs: Requirements, nodes: Sequence[NodeInfo], count: int) -> str:
+    """Requirements (GPU model, driver, CUDA) no node with room for the step meets."""
+    if not needs:
+        return ""
+    alternatives = model_alternatives(needs.gpu_model) if needs.gpu_model else ()
+    misses = []
+    for node in nodes:
+        matching = sum(1 for g in node.gpus
+                       if not alternatives or any_model_matches(g.name, alternatives))
+        why = [platform_misses(node.platform, needs)]
+        if matching < count:
+            names = ", ".join(sorted({g.name for g in node.gpus}))
+            why.insert(0, f"{matching} of its GPUs ({names}) match")
+        if not any(why):
+            return ""
+        misses.append(f"{node.node_id}: {'; '.join(w for w in why if w)}")
+    return f"needs {needs.text()}; no node meets it ({' | '.join(misses[:4])})"
 
 
 def _memory_fits(gpus: Sequence[GpuInfo], memory_mb: int, share: float) -> bool:

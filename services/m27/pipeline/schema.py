@@ -22,6 +22,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
+from m27.common import platform
 from m27.common.errors import M27Error
 from m27.common.ids import NAME_PATTERN
 from m27.common.metric_points import METRIC_NAME_RE
@@ -301,7 +302,7 @@ def _step_rules() -> list[JSON]:
     """`type` and `resources.gpus` must fit each other; GPU memory needs a GPU."""
     return [_fits("cpu", {"const": 0}), _fits("gpu", {"minimum": 1}),
             _fits("gpu_light", {"exclusiveMinimum": 0, "exclusiveMaximum": 1}),
-            _gpu_memory_rule()]
+            *(_needs_gpu_rule(key) for key in ("gpu_memory", *REQUIREMENT_KEYS))]
 
 
 def _fits(step_type: str, gpus: JSON) -> JSON:
@@ -312,18 +313,32 @@ def _fits(step_type: str, gpus: JSON) -> JSON:
     }
 
 
-def _gpu_memory_rule() -> JSON:
+def _needs_gpu_rule(key: str) -> JSON:
     uses_gpus = {"properties": {"resources": {"required": ["gpus"],
                                               "properties": {"gpus": {"not": {"const": 0}}}}}}
     gpu_type = {"required": ["type"],
                 "properties": {"type": {"enum": ["gpu", "gpu_light"]},
                                "resources": {"not": {"required": ["gpus"]}}}}
     return {
-        "description": "`gpu_memory` needs a GPU: a gpu or gpu_light step, or gpus above 0.",
+        "description": f"`{key}` needs a GPU: a gpu or gpu_light step, or gpus above 0.",
         "if": {"required": ["resources"],
-               "properties": {"resources": {"required": ["gpu_memory"]}}},
+               "properties": {"resources": {"required": [key]}}},
         "then": {"anyOf": [uses_gpus, gpu_type]},
     }
+
+
+REQUIREMENT_KEYS: Final = ("gpu_model", "driver", "cuda")
+#: A version with an optional operator (m27.common.platform.parse_requirement).
+VERSION_PATTERN: Final = r"^\s*(>=|<=|==|!=|>|<)?\s*[0-9]+(\.[0-9]+){0,5}\s*$"
+
+
+def _version_def(what: str) -> JSON:
+    return {"description": f"Only nodes whose {what} version meets this: a version with an "
+            "optional operator (>=, >, ==, !=, <=, <), such as \">=12.1\"; a bare version "
+            "means at least. A node that does not know its version does not meet it. Needs "
+            "a GPU.",
+            "type": ["string", "number"], "pattern": VERSION_PATTERN,
+            "maxLength": platform.MAX_REQUIREMENT_CHARS}
 
 
 def _resources_def() -> JSON:
@@ -335,6 +350,13 @@ def _resources_def() -> JSON:
         "cpus": {"description": f"CPU slots (1 to {CPUS_MAX}). Default: 1.",
                  "type": "integer", "minimum": 1, "maximum": CPUS_MAX},
         "memory": _ref("size", "Host memory the step needs, such as 16GiB."),
+        "gpu_model": {"description": "Only GPUs of this model: words of the GPU's name "
+                      "(A100 matches NVIDIA A100-SXM4-80GB, not A10G); alternatives "
+                      "separated by |, such as A100|H100. Needs a GPU.",
+                      "type": "string", "minLength": 1,
+                      "maxLength": platform.MAX_REQUIREMENT_CHARS},
+        "driver": _version_def("NVIDIA driver"),
+        "cuda": _version_def("CUDA (the newest the node's driver supports)"),
     }
     return {
         "description": "What the step needs on its node.",

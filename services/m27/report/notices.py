@@ -79,6 +79,18 @@ def node_lost(event: events.NodeLost) -> Notice:
                   state="lost")
 
 
+def node_platform(event: events.NodePlatformDiffers) -> Notice:
+    """A node's driver or CUDA differs from most nodes' (or agrees again)."""
+    if event.differences:
+        text = (f"⚠ node {event.node_id}: " + "; ".join(event.differences)
+                + " — a lab's nodes should run one driver and one CUDA version")
+    else:
+        text = f"✅ node {event.node_id}: driver and CUDA agree with most nodes again"
+    return Notice(id=_id("node_platform", event.node_id, *event.differences, repr(event.at)),
+                  kind="node_platform", text=_clip(text, MAX_TEXT), at=event.at,
+                  node_id=event.node_id, state="differs" if event.differences else "agrees")
+
+
 def memory_leak(event: events.GpuMemoryLeak, run_id: str, user: str) -> Notice:
     done = "killed" if event.cleaned else "still running"
     text = (f"🧹 GPU {event.gpu_index} on {event.node_id} still held {event.memory_mb} MB "

@@ -201,6 +201,8 @@ class Notifier:
             return notices.anomaly(event, await self._user_of(event.run_id)), None
         if isinstance(event, events.NodeLost):
             return notices.node_lost(event), None
+        if isinstance(event, events.NodePlatformDiffers):
+            return notices.node_platform(event), None
         if isinstance(event, events.GpuMemoryLeak):
             if subject != subjects.node_events(event.node_id):
                 return None, None

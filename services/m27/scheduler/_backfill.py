@@ -83,7 +83,7 @@ def find_lender(packer: Packer, req: Request, idle: dict[str, tuple[Running, int
         col = packer.col_of(node, lender.gpu_ids[0])
         if col < 0 or not packer.usable[node, col]:
             continue
-        if req.models and packer.nodes[node].gpus[col].model not in req.models:
+        if not packer.allowed(req)[node, col]:
             continue
         if packer.gmem_free[node, col] + 1e-6 < packer.gpu_memory(req, node, col):
             continue
@@ -153,7 +153,7 @@ def displace(packer: Packer, req: Request, running: Sequence[Running],
         col = packer.col_of(node, lender.gpu_ids[0]) if node >= 0 else -1
         if col < 0 or not packer.node_ok[node] or not packer.usable[node, col]:
             continue
-        if req.models and packer.nodes[node].gpus[col].model not in req.models:
+        if not packer.allowed(req)[node, col]:
             continue
         stop = _fewest(packer, req, (node, col), lender.gpu_milli, mine, may_stop, leaving,
                        cost)

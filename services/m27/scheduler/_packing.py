@@ -32,6 +32,7 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
+from m27.common.platform import Requirements, any_model_matches, platform_fits
 from m27.scheduler.model import MILLI_PER_GPU, Job, Node
 
 Strategy = Literal["m27", "fgd", "bestfit"]
@@ -53,7 +54,14 @@ class Request(msgspec.Struct, frozen=True, kw_only=True):
     cpu_milli: int = 0
     memory_mb: int = 0
     gpu_memory_mb: int = 0  # per GPU; 0: `milli`'s proportion of the GPU's memory
-    models: tuple[str, ...] = ()  # allowed GPU models; () any
+    models: tuple[str, ...] = ()  # allowed GPU models (m27.common.platform words); () any
+    driver: str = ""  # a driver version requirement, e.g. ">=535"; "" none
+    cuda: str = ""  # a CUDA version requirement, e.g. ">=12.1"; "" none
+
+    @property
+    def requirements(self) -> Requirements:
+        return Requirements(gpu_model="|".join(self.models), driver=self.driver,
+                            cuda=self.cuda)
 
 
 def request_of(job: Job) -> Request:
@@ -66,7 +74,8 @@ def request_of(job: Job) -> Request:
         gpus, milli = -(-job.gpu_milli // MILLI_PER_GPU), MILLI_PER_GPU
     models = tuple(m for m in job.gpu_model.split("|") if m) if job.gpu_model else ()
     return Request(gpus=gpus, milli=milli, cpu_milli=job.cpu_milli, memory_mb=job.memory_mb,
-                   gpu_memory_mb=job.gpu_memory_mb, models=models)
+                   gpu_memory_mb=job.gpu_memory_mb, models=models, driver=job.driver,
+                   cuda=job.cuda)
 
 
 def typical_demand(requests: Sequence[Request], coverage: float = 0.95,
@@ -76,18 +85,19 @@ def typical_demand(requests: Sequence[Request], coverage: float = 0.95,
     frequencies, until they cover `coverage` of the requested GPU milli (`by_milli`, m27)
     or of the GPU requests (FGD's target workload). CPU-only requests are left out: they
     cannot use idle GPU capacity, so it is no fragment for them."""
-    counts: dict[tuple[int, int, int, tuple[str, ...]], int] = {}
+    counts: dict[tuple[int, int, int, tuple[str, ...], str, str], int] = {}
     for r in requests:
         if r.gpus > 0:
-            key = (r.gpus, r.milli, r.cpu_milli if with_cpu else 0, r.models)
+            key = (r.gpus, r.milli, r.cpu_milli if with_cpu else 0, r.models, r.driver, r.cuda)
             counts[key] = counts.get(key, 0) + 1
     total = sum(counts.values())
     milli_total = sum(k[0] * k[1] * n for k, n in counts.items())
     shapes: list[tuple[Request, float]] = []
     covered = 0.0
-    for (gpus, milli, cpu, models), n in sorted(counts.items(),
-                                                key=lambda kv: (-kv[1], kv[0])):
-        shapes.append((Request(gpus=gpus, milli=milli, cpu_milli=cpu, models=models),
+    for (gpus, milli, cpu, models, driver, cuda), n in sorted(
+            counts.items(), key=lambda kv: (-kv[1], kv[0])):
+        shapes.append((Request(gpus=gpus, milli=milli, cpu_milli=cpu, models=models,
+                               driver=driver, cuda=cuda),
                        n / total))
         covered += gpus * milli * n / milli_total if by_milli else n / total
         if covered >= coverage:
@@ -203,6 +213,8 @@ class Packer:
         self.rank = np.asarray(tie_rank if tie_rank is not None else range(n), np.int64)
         self.version = np.zeros(n, np.int64)  # bumped on every change of a node
         self._cache: dict[Request, _Entry] = {}
+        self._allowed: dict[tuple[tuple[str, ...], str, str], B] = {}
+        self._platform_ok: dict[tuple[str, str], B] = {}
         self._set_demand(demand)
 
     # -- fragmentation bookkeeping ------------------------------------------------------
@@ -217,7 +229,7 @@ class Packer:
         self.s_m = np.array([r.milli for r, _ in shapes], np.int64)
         self.s_cpu = np.array([r.cpu_milli for r, _ in shapes], np.float64)
         self.s_mem = np.array([r.memory_mb for r, _ in shapes], np.float64)
-        self.s_elig = np.stack([self.model_mask(r.models) for r, _ in shapes], axis=2)
+        self.s_elig = np.stack([self.allowed(r) for r, _ in shapes], axis=2)
         self.s_elig &= self.usable[:, :, None]
         fr = self._fr()
         self.cnt, self.part = self._rows(fr, self.s_elig)
@@ -228,10 +240,34 @@ class Packer:
         self.hosts = self.hosts_now.sum(axis=0)
 
     def model_mask(self, allowed: Sequence[str]) -> B:
+        """GPUs (node × column) whose model is one of `allowed` (() any), by words."""
         if not allowed:
             return self.exists.copy()
-        codes = [self.models[m] for m in allowed if m in self.models]
+        codes = [code for name, code in self.models.items()
+                 if any_model_matches(name, allowed)]
         return np.isin(self.model, codes) & self.exists
+
+    def allowed(self, req: Request) -> B:
+        """GPUs (node × column) `req` may use: of a model it allows, on a node whose driver
+        and CUDA meet its requirements (a node that does not know its version meets none).
+        Nodes and their platforms do not change within a packer: computed once per ask."""
+        key = (req.models, req.driver, req.cuda)
+        mask = self._allowed.get(key)
+        if mask is None:
+            mask = self.model_mask(req.models) & self.platform_ok(req)[:, None]
+            self._allowed[key] = mask
+        return mask
+
+    def platform_ok(self, req: Request) -> B:
+        """Nodes whose driver and CUDA meet `req`'s requirements (all, with none)."""
+        key = (req.driver, req.cuda)
+        mask = self._platform_ok.get(key)
+        if mask is None:
+            needs = Requirements(driver=req.driver, cuda=req.cuda)
+            mask = np.array([platform_fits(n.platform, needs) for n in self.nodes],
+                            np.bool_).reshape(len(self.nodes))
+            self._platform_ok[key] = mask
+        return mask
 
     def _fr(self) -> I64:
         """Free milli that new work may use (0 on hot, throttled or missing GPUs)."""
@@ -311,10 +347,11 @@ class Packer:
         return int(cols[0]) if cols.size else -1
 
     def node_fits(self, req: Request, rows: I64 | None = None) -> B:
-        """Nodes (all, or `rows`) that take new work and have the CPU and memory for `req`."""
+        """Nodes (all, or `rows`) that take new work, have the CPU and memory for `req` and
+        the driver and CUDA it requires."""
         r = slice(None) if rows is None else rows
         fits: B = (self.node_ok[r] & (self.cpu[r] >= req.cpu_milli)
-                   & (self.mem[r] >= req.memory_mb))
+                   & (self.mem[r] >= req.memory_mb) & self.platform_ok(req)[r])
         return fits
 
     def gpu_fits(self, req: Request, rows: I64 | None = None) -> B:
@@ -324,7 +361,7 @@ class Packer:
         need = (float(req.gpu_memory_mb) if req.gpu_memory_mb > 0
                 else total * req.milli / MILLI_PER_GPU)
         fits: B = (self.usable[r] & (self.free[r] >= req.milli)
-                   & (self.gmem_free[r] >= need - 1e-6) & self.model_mask(req.models)[r]
+                   & (self.gmem_free[r] >= need - 1e-6) & self.allowed(req)[r]
                    & self.node_fits(req, rows)[:, None])
         return fits
 

@@ -105,10 +105,7 @@ def _fits(packer: Packer, node: int, req: Request, freed: Sequence[Freed]) -> bo
                 free[col] += milli
                 gmem[col] += packer.gpu_memory(
                     Request(milli=r.gpu_milli, gpu_memory_mb=r.job.gpu_memory_mb), node, col)
-    mask = packer.usable[node] & (free >= req.milli)
-    if req.models:
-        codes = [packer.models[m] for m in req.models if m in packer.models]
-        mask &= np.isin(packer.model[node], codes)
+    mask = packer.usable[node] & (free >= req.milli) & packer.allowed(req)[node]
     need = np.array([packer.gpu_memory(req, node, c) for c in range(free.size)])
     mask &= gmem >= need - 1e-6
     return int(mask.sum()) >= req.gpus

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import numpy as np
 
+from m27.common.platform import any_model_matches, platform_misses
 from m27.scheduler._packing import Packer, Request
 from m27.scheduler.model import MILLI_PER_GPU
+
+#: A wait reason names at most this many nodes.
+MAX_NODES_NAMED = 4
 
 
 def _gib(mb: float) -> str:
@@ -16,7 +20,8 @@ def _ask(req: Request) -> str:
     if req.gpus == 0:
         return f"needs {req.cpu_milli / 1000:.1f} CPU" + (
             f" with {_gib(req.memory_mb)} memory" if req.memory_mb else "")
-    model = f" ({'|'.join(req.models)})" if req.models else ""
+    needs = req.requirements
+    model = f" ({needs.text()})" if needs else ""
     if req.gpus == 1 and req.milli < MILLI_PER_GPU:
         mem = (f" with {_gib(req.gpu_memory_mb)}" if req.gpu_memory_mb
                else " with its share of GPU memory")
@@ -29,6 +34,9 @@ def wait_reason(packer: Packer, req: Request) -> str:
     ask = _ask(req)
     if not packer.node_ok.any():
         return f"{ask}; no node takes new work (cordoned, draining or down)"
+    unmet = _unmet(packer, req)
+    if unmet:
+        return f"{ask}; {unmet}"
     hot = int((packer.exists & packer.node_ok[:, None] & ~packer.usable).sum())
     note = f"; {hot} GPU(s) too hot or throttled take no new work" if hot else ""
     if req.gpus == 0:
@@ -46,6 +54,24 @@ def wait_reason(packer: Packer, req: Request) -> str:
     if int(counts[best]) >= req.gpus:
         text += ", but not with the CPU, memory or GPU model it needs"
     return text + note
+
+
+def _unmet(packer: Packer, req: Request) -> str:
+    """When no node that takes work has a GPU the requirements allow: what each misses."""
+    needs = req.requirements
+    if not needs or (packer.allowed(req) & packer.node_ok[:, None]).any():
+        return ""
+    misses = []
+    for i in np.flatnonzero(packer.node_ok)[:MAX_NODES_NAMED]:
+        node = packer.nodes[int(i)]
+        why = [platform_misses(node.platform, needs)]
+        if req.models and not any(any_model_matches(g.model, req.models) for g in node.gpus):
+            models = sorted({g.model for g in node.gpus})
+            why.insert(0, f"GPUs {', '.join(models) or 'none'}")
+        misses.append(f"{node.node_id}: {'; '.join(w for w in why if w)}")
+    more = int(packer.node_ok.sum()) - MAX_NODES_NAMED
+    tail = f" and {more} more" if more > 0 else ""
+    return f"no node meets its requirements ({' | '.join(misses)}{tail})"
 
 
 def _slice_text(packer: Packer, req: Request) -> str:
@@ -70,7 +96,7 @@ def stage_nodes(packer: Packer, req: Request, count: int) -> list[int]:
         nodes = np.flatnonzero(ok)
         order = np.lexsort((packer.rank[nodes], -packer.cpu[nodes]))
     else:
-        elig = packer.usable & packer.model_mask(req.models)
+        elig = packer.usable & packer.allowed(req)
         nodes = np.flatnonzero(ok & (elig.sum(axis=1) >= req.gpus))
         free = np.where(elig[nodes], np.maximum(packer.free[nodes], 0), -1)
         top = -np.sort(-free, axis=1)[:, :req.gpus].sum(axis=1)

@@ -137,7 +137,8 @@ def job_of(task: EnqueueTask) -> Job:
                memory_mb=resources.memory_mb, urgency=task.urgency, user=task.user,
                preemptible=task.preemptible, tier=tier_of(task),
                checkpoints=task.checkpoint_interval_s is not None or task.preemptible,
-               fruitless_preemptions=task.fruitless_preemptions)
+               fruitless_preemptions=task.fruitless_preemptions,
+               gpu_model=resources.gpu_model, driver=resources.driver, cuda=resources.cuda)
 
 
 def _gpu(info: NodeInfo, index: int, memory_mb: int, simulated: bool, model: str) -> Gpu:
@@ -157,7 +158,8 @@ def node_of(view: NodeView, maintenance: Maintenance | None) -> Node:
     schedulable = view.alive and info.state == "up" and maintenance is None
     return Node(node_id=info.node_id, gpus=gpus, cpu_milli=info.cpu_slots * 1000,
                 schedulable=schedulable,
-                draining=maintenance is not None and maintenance.state == "draining")
+                draining=maintenance is not None and maintenance.state == "draining",
+                platform=info.platform)
 
 
 def running_of(entry: TaskEntry) -> Running | None:

@@ -16,6 +16,7 @@ from typing import Final, Literal
 import msgspec
 
 from m27.common.model import Urgency
+from m27.common.platform import Platform
 
 MILLI_PER_GPU: Final = 1000
 #: immediate: normal work, ordered by score. background: low-priority, preemptible filler
@@ -42,6 +43,7 @@ class Node(msgspec.Struct, frozen=True, kw_only=True):
     schedulable: bool = True
     #: Its running work is to be checkpointed and moved off (`m27 node drain`).
     draining: bool = False
+    platform: Platform = Platform()  # driver and CUDA versions, for requirements
 
 
 class Job(msgspec.Struct, frozen=True, kw_only=True):
@@ -57,7 +59,11 @@ class Job(msgspec.Struct, frozen=True, kw_only=True):
     user: str = ""
     preemptible: bool = False
     tier: Tier = "immediate"
-    gpu_model: str = ""  # only GPUs of this model (trace replay); "" any
+    #: Only GPUs of these models ("A100|H100", matched by words: m27.common.platform);
+    #: "" any. Also a trace's `gpu_spec`.
+    gpu_model: str = ""
+    driver: str = ""  # a driver version requirement (">=535"); "" none
+    cuda: str = ""  # a CUDA version requirement (">=12.1"); "" none
     #: The task saves checkpoints (a `checkpoint:` interval or m27.train): a stop loses
     #: little, so it is a cheap preemption victim and can be moved off a draining node.
     checkpoints: bool = False

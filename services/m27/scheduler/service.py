@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import time
 from typing import Final
 
@@ -19,7 +20,7 @@ import msgspec
 from nats.aio.msg import Msg
 
 from m27.common import bus as bus_module
-from m27.common import events, subjects
+from m27.common import events, platform, subjects
 from m27.common.bus import Bus
 from m27.common.errors import ConfigError
 from m27.common.ids import is_valid_task_id
@@ -66,6 +67,8 @@ class Scheduler:
         self.table = Table(bus)
         self.effects = Effects(bus, self.table)
         self.lost: set[str] = set()
+        #: node → the platform differences last reported for it (NodePlatformDiffers)
+        self.platform_said: dict[str, tuple[str, ...]] = {}
         self.wake = asyncio.Event()
         # Handlers and decisions interleave at every await; one at a time keeps the task
         # table consistent with what was published.
@@ -75,6 +78,7 @@ class Scheduler:
         """Forget what this copy knew (it rebuilds from the buckets in `load`)."""
         self.nodes, self.seen, self.maintenance = {}, {}, {}
         self.lost.clear()
+        self.platform_said.clear()
         self.table.entries.clear()
 
     @property
@@ -267,6 +271,7 @@ class Scheduler:
 
     async def run_once(self, now: float) -> None:
         await self._declare_lost_nodes(now)
+        await self._report_platforms(now)
         await self.effects.resend_starts(self.nodes, {view.info.node_id for view in
                                                       self._views() if view.alive}, now)
         state, queue = self.snapshot(now)
@@ -325,6 +330,30 @@ class Scheduler:
             for entry in [e for e in self.entries.values()
                           if e.placement and e.placement.node_id == node.node_id]:
                 await self._report_lost(entry, node.node_id, silent, now)
+
+    async def _report_platforms(self, now: float) -> None:
+        """A live node whose driver or CUDA differs from most live nodes' is reported once
+        (`node_platform_differs`), and again when that changes or it agrees again. A
+        restarted scheduler reports what it finds; the message id keeps a restart within
+        JetStream's duplicate window from repeating it."""
+        views = self._views()
+        found = platform.differences({v.info.node_id: v.info.platform
+                                      for v in views if v.alive})
+        for view in views:
+            info = view.info
+            said = self.platform_said.get(info.node_id, ())
+            now_differs = found.get(info.node_id, ())
+            if now_differs == said or (not view.alive and not now_differs):
+                continue  # unchanged; a node that is down is not said to agree
+            self.platform_said[info.node_id] = now_differs
+            log.warning("node.platform_differs", node_id=info.node_id,
+                        differences=list(now_differs))
+            digest = hashlib.sha256("\x1f".join(now_differs).encode()).hexdigest()[:16]
+            await self.bus.publish(
+                subjects.node_events(info.node_id),
+                events.NodePlatformDiffers(at=now, node_id=info.node_id,
+                                           differences=now_differs, platform=info.platform),
+                msg_id=f"node-platform:{info.node_id}:{info.incarnation}:{digest}")
 
     async def _release_unstarted(self, node_id: str, now: float) -> None:
         """Tasks placed on a node that has stopped and never started them (placed while it

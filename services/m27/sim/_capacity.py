@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+from m27.common.platform import any_model_matches
 from m27.scheduler.model import MILLI_PER_GPU, ClusterState, Gpu, Job, Node
 
 
@@ -29,8 +30,9 @@ def memory_need(job: Job, gpu: Gpu, milli: int) -> int:
 
 
 def model_ok(job: Job, gpu: Gpu) -> bool:
-    """`gpu_model` may list several models, `|`-separated (the openb `gpu_spec`)."""
-    return not job.gpu_model or gpu.model in job.gpu_model.split("|")
+    """`gpu_model` may list several models, `|`-separated (the openb `gpu_spec`), matched
+    by words as the scheduler does (m27.common.platform)."""
+    return not job.gpu_model or any_model_matches(gpu.model, job.gpu_model.split("|"))
 
 
 class FreeMap:

@@ -74,6 +74,10 @@ class Node(_message.Message):
     CGROUPS_FIELD_NUMBER: _builtins.int
     MPS_FIELD_NUMBER: _builtins.int
     INCARNATION_FIELD_NUMBER: _builtins.int
+    DRIVER_VERSION_FIELD_NUMBER: _builtins.int
+    CUDA_VERSION_FIELD_NUMBER: _builtins.int
+    NVML_VERSION_FIELD_NUMBER: _builtins.int
+    PLATFORM_DIFFERENCES_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     hostname: _builtins.str
     backend: _builtins.str
@@ -88,8 +92,20 @@ class Node(_message.Message):
     cgroups: _builtins.bool
     mps: _builtins.bool
     incarnation: _builtins.str
+    driver_version: _builtins.str
+    """What the agent found at start; empty where it could not tell (no NVML, a simulated GPU
+    given no version).
+    """
+    cuda_version: _builtins.str
+    nvml_version: _builtins.str
     @_builtins.property
     def gpus(self) -> _containers.RepeatedCompositeFieldContainer[Global___Gpu]: ...
+    @_builtins.property
+    def platform_differences(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """How its driver or CUDA version differs from most live nodes' (m27.common.platform);
+        empty when it agrees.
+        """
+
     def __init__(
         self,
         *,
@@ -104,10 +120,14 @@ class Node(_message.Message):
         cgroups: _builtins.bool = ...,
         mps: _builtins.bool = ...,
         incarnation: _builtins.str = ...,
+        driver_version: _builtins.str = ...,
+        cuda_version: _builtins.str = ...,
+        nvml_version: _builtins.str = ...,
+        platform_differences: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "cgroups", b"cgroups", "cpu_slots", b"cpu_slots", "cpu_used", b"cpu_used", "gpus", b"gpus", "heartbeat_age_s", b"heartbeat_age_s", "hostname", b"hostname", "incarnation", b"incarnation", "mps", b"mps", "node_id", b"node_id", "state", b"state"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "cgroups", b"cgroups", "cpu_slots", b"cpu_slots", "cpu_used", b"cpu_used", "cuda_version", b"cuda_version", "driver_version", b"driver_version", "gpus", b"gpus", "heartbeat_age_s", b"heartbeat_age_s", "hostname", b"hostname", "incarnation", b"incarnation", "mps", b"mps", "node_id", b"node_id", "nvml_version", b"nvml_version", "platform_differences", b"platform_differences", "state", b"state"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -945,10 +945,19 @@ class Resources(_message.Message):
     CPUS_FIELD_NUMBER: _builtins.int
     GPU_MEMORY_MB_FIELD_NUMBER: _builtins.int
     MEMORY_MB_FIELD_NUMBER: _builtins.int
+    GPU_MODEL_FIELD_NUMBER: _builtins.int
+    DRIVER_FIELD_NUMBER: _builtins.int
+    CUDA_FIELD_NUMBER: _builtins.int
     gpus: _builtins.float
     cpus: _builtins.int
     gpu_memory_mb: _builtins.int
     memory_mb: _builtins.int
+    gpu_model: _builtins.str
+    """Where the step may run, as written: GPU model words ("A100|H100"), and driver and
+    CUDA version requirements (">=12.1"); empty for none.
+    """
+    driver: _builtins.str
+    cuda: _builtins.str
     def __init__(
         self,
         *,
@@ -956,10 +965,13 @@ class Resources(_message.Message):
         cpus: _builtins.int = ...,
         gpu_memory_mb: _builtins.int = ...,
         memory_mb: _builtins.int = ...,
+        gpu_model: _builtins.str = ...,
+        driver: _builtins.str = ...,
+        cuda: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cpus", b"cpus", "gpu_memory_mb", b"gpu_memory_mb", "gpus", b"gpus", "memory_mb", b"memory_mb"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cpus", b"cpus", "cuda", b"cuda", "driver", b"driver", "gpu_memory_mb", b"gpu_memory_mb", "gpu_model", b"gpu_model", "gpus", b"gpus", "memory_mb", b"memory_mb"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -46,12 +46,24 @@ def test_nodes_show_state_backend_heartbeat_cpu_and_every_gpu() -> None:
     assert render_nodes([NODE, LOST]) == [
         "NODE        STATE     BACKEND                     HEARTBEAT    CPU",
         "node-1      up        simulated (not real GPUs)   400ms ago    1/16     cgroups",
+        "    GPUs: 2 x m27 simulated GPU",
         "    GPU     UTIL  MEMORY             TEMP  POWER       THROTTLE  TASKS",
         f"    0 sim    37%  4.0/16.0 GiB       51°C  120/300 W   thermal   {RUN}/train#1 ×0.5, "
         f"{RUN}/eval#2 ×0.3 paused",
         "    1 sim     0%  0.0/16.0 GiB       30°C  —           —         —",
         "gpu-box-02  LOST      nvml                        42s ago      0/64",
     ]
+
+
+def test_nodes_show_gpu_models_and_versions_and_say_what_differs() -> None:
+    real = NodeStatus(node_id="n3", hostname="h", backend="nvml", state="up",
+                      heartbeat_age_s=1.0, cpu_slots=8, cpu_used=0,
+                      gpus=(gpu(0, name="NVIDIA A10G", simulated=False),) * 2,
+                      driver_version="535.104.05", cuda_version="12.2",
+                      platform_differences=("driver 535.104.05, most nodes 550.54.15 (2 of 3)",))
+    assert render_nodes([real])[2] == (
+        "    GPUs: 2 x NVIDIA A10G; driver 535.104.05, CUDA 12.2, NVML unknown  DIFFERS: "
+        "driver 535.104.05, most nodes 550.54.15 (2 of 3)")
 
 
 def test_simulated_gpus_are_labelled_as_such() -> None:

@@ -9,6 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from m27.common.model import GpuInfo, GpuProcess, GpuSample, per_gpu_share
+from m27.common.platform import Platform
 from m27.node_agent._gpus import (
     SIM_BUSY_TEMP_C,
     SIM_IDLE_POWER_W,
@@ -41,6 +42,11 @@ from m27.node_agent._gpus import (
     ("SIM:4X80GB", GpuSpec(mode="sim", count=4, memory_mb=80 * 1024)),
     ("sim:3x512MiB", GpuSpec(mode="sim", count=3, memory_mb=512)),
     ("sim:1x1.5GiB", GpuSpec(mode="sim", count=1, memory_mb=1536)),
+    ("sim:2x80GiB,model=A100-SXM4,driver=550.54.15,cuda=12.4",
+     GpuSpec(mode="sim", count=2, memory_mb=80 * 1024, model="A100-SXM4",
+             platform=Platform(driver="550.54.15", cuda="12.4"))),
+    ("sim:1, cuda=11.8", GpuSpec(mode="sim", count=1, memory_mb=16384,
+                                 platform=Platform(cuda="11.8"))),
 ])
 def test_parse_gpu_spec_accepts_the_documented_forms(text: str, expected: GpuSpec) -> None:
     assert parse_gpu_spec(text) == expected
@@ -59,10 +65,23 @@ def test_parse_gpu_spec_accepts_the_documented_forms(text: str, expected: GpuSpe
     ("sim:2x16XB", "bad GPU memory"),
     ("sim:2x100", "at least 1MiB"),
     ("gpu:2", "expected auto, none, sim:N"),
+    ("auto,cuda=12.4", "expected auto, none, sim:N"),
+    ("sim:1,cuda=latest", "simulated cuda version must be dotted numbers"),
+    ("sim:1,driver=", "expected auto, none, sim:N"),
+    ("sim:1,colour=red", "expected auto, none, sim:N"),
+    ("sim:1,cuda=12,cuda=11", "expected auto, none, sim:N"),
+    ("sim:1,model=" + "x" * 65, "at most 64 characters"),
+    ("sim:1,model=a\x00b", "printable"),
 ])
 def test_parse_gpu_spec_rejects_anything_else_saying_why(text: str, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         parse_gpu_spec(text)
+
+
+def test_a_simulated_model_is_named_and_still_says_simulated() -> None:
+    gpus = simulated_gpus("n1", parse_gpu_spec("sim:1,model=A100"))
+    assert gpus[0].name == f"{SIM_NAME} (A100)"
+    assert gpus[0].simulated
 
 
 def test_simulated_gpus_are_labelled_simulated_in_every_field() -> None:

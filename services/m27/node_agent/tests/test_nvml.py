@@ -15,6 +15,7 @@ import pytest
 from structlog.testing import capture_logs
 
 from m27.common.model import GpuInfo, GpuProcess, GpuSample
+from m27.common.platform import Platform
 from m27.node_agent import _nvml
 from m27.node_agent._backends import (
     NoGpus,
@@ -84,6 +85,18 @@ class FakeNvml:
     devices: list[FakeDevice] = field(default_factory=list)
     init_error: int | None = None
     calls: list[str] = field(default_factory=list)
+    driver: str | bytes | None = "550.54.15"
+    cuda: int | None = 12040
+    nvml: str | bytes | None = "12.550.54.15"
+
+    def nvmlSystemGetDriverVersion(self) -> str | bytes:
+        return _answer(self.driver)  # type: ignore[no-any-return]
+
+    def nvmlSystemGetCudaDriverVersion(self) -> int:
+        return int(_answer(self.cuda))
+
+    def nvmlSystemGetNVMLVersion(self) -> str | bytes:
+        return _answer(self.nvml)  # type: ignore[no-any-return]
 
     def nvmlInit(self) -> None:
         self.calls.append("init")
@@ -237,6 +250,19 @@ def test_auto_uses_nvml_when_it_finds_gpus() -> None:
     assert [s.index for s in backend.sample([], 0.0)] == [0, 1]
     backend.close()
     assert lib.calls[-1] == "shutdown"
+
+
+def test_the_driver_cuda_and_nvml_versions_are_read_or_left_unknown() -> None:
+    lib = FakeNvml(devices=[FakeDevice()], driver=b"535.104.05", cuda=12020)
+    backend, why = open_backend(GpuSpec(mode="auto"), "n1", lib)
+    assert backend.platform == Platform(driver="535.104.05", cuda="12.2", nvml="12.550.54.15")
+    assert "driver 535.104.05, CUDA 12.2" in why
+    backend.close()
+    silent = FakeNvml(devices=[FakeDevice()], driver=None, cuda=None, nvml=None)
+    backend, why = open_backend(GpuSpec(mode="auto"), "n1", silent)
+    assert backend.platform == Platform()
+    assert "driver unknown, CUDA unknown" in why
+    backend.close()
 
 
 @pytest.mark.parametrize(("lib", "why"), [

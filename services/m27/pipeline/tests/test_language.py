@@ -106,10 +106,25 @@ def test_a_given_value_beats_the_default() -> None:
     ("{gpu_memory: huge}", "expected a size such as 128KB"),
     ("{cpus: 2, gpu_memory: 8GiB}", "gpu_memory is set but the step uses no GPU"),
     ("{gpu: 1}", "unknown key `gpu` (did you mean `gpus`?)"),
+    ("{gpus: 1, cuda: latest}", "resources.cuda: cuda requirement 'latest' is not "
+     "understood: expected a version with an optional operator"),
+    ("{gpus: 1, driver: '=>550'}", "driver requirement '=>550' is not understood"),
+    ("{gpus: 1, gpu_model: '|'}", "gpu_model '|' is not understood"),
+    ("{gpus: 1, gpu_model: [A100]}", "resources.gpu_model: expected a string, got a list"),
+    ("{cpus: 2, cuda: '>=12'}", "cuda >=12 is required but the step uses no GPU"),
 ])
 def test_bad_resources(resources: str, expected: str) -> None:
     one(problems_of(f"pipeline:\n  - {{name: a, command: x, resources: {resources}}}\n"),
         expected)
+
+
+def test_gpu_model_driver_and_cuda_requirements_as_written() -> None:
+    spec = load_pipeline("pipeline:\n  - {name: a, command: x, resources: {gpus: 1, "
+                         "gpu_model: 'A100|H100', cuda: '>=12.1', driver: 535.104}}\n")
+    resources = spec.steps[0].resources
+    assert (resources.gpu_model, resources.cuda, resources.driver) == (
+        "A100|H100", ">=12.1", "535.104")
+    assert resources.requirements.text() == "GPU model A100|H100, driver >=535.104, cuda >=12.1"
 
 
 @pytest.mark.parametrize(("step_type", "gpus", "expected"), [

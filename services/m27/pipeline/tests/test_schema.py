@@ -50,7 +50,8 @@ pipeline:
     outputs: [sim.xtc, sim.edr]
     checkpoint: 5m
     timeout: 12h
-    resources: {gpus: 1, gpu_memory: 16GiB, cpus: 8, memory: 32GiB}
+    resources: {gpus: 1, gpu_memory: 16GiB, cpus: 8, memory: 32GiB, gpu_model: "A100|H100",
+                driver: "535", cuda: ">=12.1"}
     priority: urgent
     preemptible: false
     retries: {failure: 1, infrastructure: 5, backoff: {initial: 30s, factor: 1.5, max: 10m}}

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import math
 
+import msgspec
 from hypothesis import given
 from hypothesis import strategies as st
 
 from m27.common import events
 from m27.common.model import GpuSample, RunRecord, StepRecord
+from m27.common.notifications import CLUSTER_KINDS
+from m27.common.platform import Platform
 from m27.report import notices
 
 
@@ -105,3 +108,17 @@ def test_durations_read_as_a_person_would_say_them(seconds: float) -> None:
     text = notices.human_duration(seconds)
     assert text.split()[-1] in {"s", "min", "h"}
     assert len(text) <= 20
+
+
+def test_a_node_whose_driver_differs_is_told_and_so_is_its_return_to_agreement() -> None:
+    differs = events.NodePlatformDiffers(
+        at=10.0, node_id="n3", platform=Platform(driver="535.104.05"),
+        differences=("driver 535.104.05, most nodes 550.54.15 (2 of 3)",))
+    notice = notices.node_platform(differs)
+    assert (notice.kind, notice.node_id, notice.state) == ("node_platform", "n3", "differs")
+    assert "driver 535.104.05, most nodes 550.54.15" in notice.text
+    agrees = notices.node_platform(msgspec.structs.replace(differs, at=20.0, differences=()))
+    assert agrees.state == "agrees"
+    assert "agree with most nodes again" in agrees.text
+    assert agrees.id != notice.id
+    assert "node_platform" in CLUSTER_KINDS

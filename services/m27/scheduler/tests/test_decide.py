@@ -8,6 +8,7 @@ from typing import Any
 import msgspec
 import pytest
 
+from m27.common.platform import Platform
 from m27.scheduler.model import (
     Pause,
     Place,
@@ -105,6 +106,32 @@ def test_gpu_model_constraint() -> None:
     assert places(decide(cluster, [queued("t", 1000, gpu_model="V100")], 1.0)) == {
         "t": ("b", (0,))}
     assert "t" in waits(decide(cluster, [queued("t", 1000, gpu_model="A100")], 1.0))
+
+
+def test_driver_and_cuda_requirements_and_gpu_model_words() -> None:
+    new = Platform(driver="550.54.15", cuda="12.4")
+    cluster = state(node("old", 2, model="NVIDIA A100-PCIE-40GB",
+                         platform=Platform(driver="535.104.05", cuda="12.2")),
+                    node("new", 2, model="NVIDIA A100-SXM4-80GB", platform=new),
+                    node("cheap", 2, model="NVIDIA A10G", platform=new))
+    assert places(decide(cluster, [queued("t", 1000, gpu_model="A100", cuda=">=12.4")],
+                         1.0)) == {"t": ("new", (0,))}
+    assert places(decide(cluster, [queued("t", 1000, gpu_model="A10")], 1.0)) == {}
+    assert places(decide(cluster, [queued("t", 2000, driver="<550")], 1.0)) == {
+        "t": ("old", (0, 1))}
+    reason = waits(decide(cluster, [queued("t", 500, cuda=">=12.5")], 1.0))["t"]
+    assert "cuda >=12.5" in reason
+    assert "no node meets its requirements" in reason
+    assert "old: cuda 12.2, needs >=12.5" in reason
+    reason = waits(decide(cluster, [queued("t", 500, gpu_model="H100")], 1.0))["t"]
+    assert "cheap: GPUs NVIDIA A10G" in reason
+
+
+def test_a_node_that_does_not_know_its_cuda_meets_no_cuda_requirement() -> None:
+    cluster = state(node("sim", 2))
+    reason = waits(decide(cluster, [queued("t", 1000, cuda=">=11")], 1.0))["t"]
+    assert "sim: cuda unknown, needs >=11" in reason
+    assert places(decide(cluster, [queued("t", 1000)], 1.0)) == {"t": ("sim", (0,))}
 
 
 @pytest.mark.parametrize(("overprovision", "fits"), [(1.0, False), (1.5, True)])

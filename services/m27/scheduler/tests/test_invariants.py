@@ -5,6 +5,13 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from m27.common.platform import (
+    Platform,
+    Requirements,
+    any_model_matches,
+    model_alternatives,
+    platform_fits,
+)
 from m27.scheduler._priority import attempt_gpu_s, order, running_score
 from m27.scheduler.model import (
     ClusterState,
@@ -20,6 +27,8 @@ from m27.scheduler.tests.support import node, queued, running
 
 MILLI = st.sampled_from([0, 100, 250, 300, 500, 700, 1000, 2000, 3000, 4000])
 URGENCY = st.sampled_from(["low", "normal", "high", "urgent"])
+PLATFORMS = st.builds(Platform, driver=st.sampled_from(["", "535.104", "550.54.15"]),
+                      cuda=st.sampled_from(["", "12.0", "12.2", "12.4"]))
 
 
 @st.composite
@@ -29,7 +38,9 @@ def clusters(draw: st.DrawFn) -> tuple[ClusterState, list[Queued], PolicySetting
                   gpu_mem=draw(st.sampled_from([8192, 16384])),
                   temps=tuple(draw(st.lists(st.sampled_from([None, 50.0, 85.0]),
                                             max_size=4))),
-                  schedulable=draw(st.booleans()) or i == 0)
+                  schedulable=draw(st.booleans()) or i == 0,
+                  model=draw(st.sampled_from(["", "NVIDIA A100-SXM4-80GB", "NVIDIA A10G"])),
+                  platform=draw(PLATFORMS))
              for i in range(draw(st.integers(1, 4)))]
     run: list[Running] = []
     for n in nodes:
@@ -44,7 +55,10 @@ def clusters(draw: st.DrawFn) -> tuple[ClusterState, list[Queued], PolicySetting
                     gpu_memory_mb=draw(st.sampled_from([0, 0, 4096, 12288])),
                     tier=draw(st.sampled_from(["immediate", "immediate", "background"])),
                     cpu_milli=draw(st.sampled_from([0, 1000, 3000])),
-                    attained=draw(st.sampled_from([0.0, 0.0, 1800.0, 7200.0])))
+                    attained=draw(st.sampled_from([0.0, 0.0, 1800.0, 7200.0])),
+                    gpu_model=draw(st.sampled_from(["", "", "A100", "A10|A10G"])),
+                    cuda=draw(st.sampled_from(["", "", ">=12.1", "<12.3"])),
+                    driver=draw(st.sampled_from(["", "", "550", "==535.104"])))
              for i in range(draw(st.integers(0, 12)))]
     overprovision = draw(st.sampled_from([1.0, 1.5]))
     return (ClusterState(nodes=tuple(nodes), running=tuple(run)), queue,
@@ -164,3 +178,24 @@ def test_nothing_starves_a_low_task_outranks_newer_urgent_ones_eventually(
     early = queued_at + gap / 2
     fresh = queued("new", 500, at=early, urgency=newcomer)
     assert [q.job.task_id for q, _ in order([old, fresh], early, config)] == ["new", "old"]
+
+
+@settings(max_examples=150, deadline=None)
+@given(clusters())
+def test_work_goes_only_where_its_gpu_model_driver_and_cuda_requirements_hold(
+        drawn: tuple[ClusterState, list[Queued], PolicySettings]) -> None:
+    cluster, queue, policy_settings = drawn
+    jobs = {q.job.task_id: q.job for q in queue}
+    nodes = {n.node_id: n for n in cluster.nodes}
+    for decision in decide(cluster, queue, 6000.0, policy_settings):
+        if not isinstance(decision, Place) or decision.task_id not in jobs:
+            continue
+        job = jobs[decision.task_id]
+        target = nodes[decision.node_id]
+        needs = Requirements(gpu_model=job.gpu_model, driver=job.driver, cuda=job.cuda)
+        assert platform_fits(target.platform, needs), (decision, needs)
+        if job.gpu_model:
+            allowed = model_alternatives(job.gpu_model)
+            for gpu in decision.gpu_ids:
+                name = next(g.model for g in target.gpus if g.index == gpu)
+                assert any_model_matches(name, allowed), (decision, name)
