@@ -38,6 +38,7 @@ from m27.report.compare import (
     to_csv,
     to_json,
 )
+from m27.report.efficiency import WORK_PREFIX
 from m27.report.files import write_atomic
 
 REPORT_ENV: Final = "M27_REPORT"
@@ -98,11 +99,16 @@ def check_runs(runs: Sequence[str]) -> list[str]:
 
 async def fetch(api: str, report: str, run_ids: Sequence[str], names: Sequence[str],
                 points: int) -> tuple[list[RunRecord], dict[str, list[Curve]]]:
-    """Each run's record and curves (only `names` when given)."""
+    """Each run's record and curves (only `names` when given, plus the work counters, whose
+    totals give work per joule: m27.report.efficiency)."""
     async with Client(api) as client, ReportClient(report) as history:
         runs = [await client.get_run(r) for r in run_ids]
         curves = {r: await history.metrics(r, names=names, max_points=points)
                   for r in run_ids}
+        if names:
+            for run_id in run_ids:  # a counter's total is its summary: 2 points are enough
+                curves[run_id] += [c for c in await history.metrics(run_id, max_points=2)
+                                   if c.name.startswith(WORK_PREFIX) and c.name not in names]
     return runs, curves
 
 

@@ -26,6 +26,7 @@ import msgspec
 
 from m27.common.curves import Curve
 from m27.common.model import RunRecord
+from m27.report import efficiency
 
 Goal = Literal["min", "max"]
 LOWER_IS_BETTER: Final = re.compile(
@@ -49,6 +50,8 @@ class Member(msgspec.Struct, frozen=True, kw_only=True):
     state: str
     params: dict[str, str]
     curves: dict[str, Curve]
+    energy_j: float | None = None  # its GPUs' energy (its share of it)
+    gpu_simulated: bool = False  # that energy is modelled
 
 
 class Value(msgspec.Struct, frozen=True, kw_only=True):
@@ -67,6 +70,10 @@ class Row(msgspec.Struct, frozen=True, kw_only=True):
     state: str
     params: dict[str, str]
     values: dict[str, Value]
+    energy_j: float | None = None
+    gpu_simulated: bool = False
+    #: work per joule by unit (m27.report.efficiency); empty with energy: no work counter
+    per_joule: dict[str, float] = msgspec.field(default_factory=dict)
 
 
 class Comparison(msgspec.Struct, frozen=True, kw_only=True):
@@ -77,6 +84,13 @@ class Comparison(msgspec.Struct, frozen=True, kw_only=True):
     metrics: tuple[str, ...]
     goals: dict[str, Goal]
     rows: tuple[Row, ...]
+    #: the work units some member counted (`work.<unit>` metrics), when any has energy
+    work_units: tuple[str, ...] = ()
+
+    @property
+    def energy(self) -> bool:
+        """Some member has GPU energy: the energy and work-per-joule columns are shown."""
+        return any(row.energy_j for row in self.rows)
 
 
 def members_of(runs: Sequence[RunRecord], curves: Mapping[str, Sequence[Curve]]
@@ -97,7 +111,8 @@ def members_of(runs: Sequence[RunRecord], curves: Mapping[str, Sequence[Curve]]
             label = step.name if len(runs) == 1 else (
                 run.run_id if len(steps) == 1 else f"{run.run_id}/{step.name}")
             out.append(Member(label=label, run_id=run.run_id, step=step.name,
-                              state=step.state, params=params, curves=by_step[step.name]))
+                              state=step.state, params=params, curves=by_step[step.name],
+                              energy_j=step.energy_j, gpu_simulated=step.gpu_simulated))
     return out
 
 
@@ -111,11 +126,16 @@ def compare(members: Sequence[Member], *, metrics: Sequence[str] = (),
     used = {n: goal_of(n, goals) for n in names}
     rows = [Row(label=m.label, run_id=m.run_id, step=m.step, state=m.state,
                 params={k: m.params.get(k, "") for k in varied},
-                values={n: _value(m.curves[n], used[n]) for n in names if n in m.curves})
+                values={n: _value(m.curves[n], used[n]) for n in names if n in m.curves},
+                energy_j=m.energy_j, gpu_simulated=m.gpu_simulated,
+                per_joule={e.unit: e.per_joule for e in efficiency.efficiencies(
+                    efficiency.work_counters(m.curves.values()), m.energy_j)})
             for m in members]
     if names:
         rows.sort(key=lambda r: _rank(r, names[0], used[names[0]]))
-    return Comparison(params=varied, metrics=tuple(names), goals=used, rows=tuple(rows))
+    units = tuple(sorted({u for r in rows for u in r.per_joule}))
+    return Comparison(params=varied, metrics=tuple(names), goals=used, rows=tuple(rows),
+                      work_units=units)
 
 
 def _default_metrics(members: Sequence[Member]) -> list[str]:
@@ -154,6 +174,9 @@ def header(comparison: Comparison) -> list[str]:
     cols = ["member", "state", *comparison.params]
     for name in comparison.metrics:
         cols += [f"{name} final", f"{name} best ({comparison.goals[name]})"]
+    if comparison.energy:
+        cols += ["GPU energy (J)", *(f"{efficiency.unit_label(u)}/J"
+                                     for u in comparison.work_units or ("work",))]
     return cols
 
 
@@ -165,8 +188,22 @@ def cells(comparison: Comparison) -> list[list[str]]:
         for name in comparison.metrics:
             v = row.values.get(name)
             line += ["", ""] if v is None else [number(v.final), number(v.best)]
+        if comparison.energy:
+            line += _energy_cells(row, comparison.work_units)
         out.append(line)
     return out
+
+
+def _energy_cells(row: Row, units: Sequence[str]) -> list[str]:
+    """Energy (marked when modelled), then work per joule by unit; a member with energy
+    and no counter says so rather than leave it to be guessed."""
+    if not row.energy_j:
+        return ["", *("" for _ in units or ("work",))]
+    energy = number(row.energy_j) + (" (simulated)" if row.gpu_simulated else "")
+    if not row.per_joule:
+        return [energy, efficiency.NO_COUNTER, *("" for _ in units[1:])]
+    return [energy, *(number(row.per_joule[u]) if u in row.per_joule else ""
+                      for u in units)]
 
 
 def to_csv(comparison: Comparison) -> str:
@@ -176,6 +213,9 @@ def to_csv(comparison: Comparison) -> str:
     cols = ["member", "run_id", "step", "state", *comparison.params]
     for name in comparison.metrics:
         cols += [f"{name}_final", f"{name}_final_step", f"{name}_best", f"{name}_best_step"]
+    if comparison.energy:  # the GPU energy, and work per joule of it (efficiency)
+        cols += ["gpu_energy_j", "gpu_energy_simulated",
+                 *(f"work_{u}_per_j" for u in comparison.work_units)]
     writer.writerow(cols)
     for row in comparison.rows:
         line = [row.label, row.run_id, row.step, row.state,
@@ -185,6 +225,11 @@ def to_csv(comparison: Comparison) -> str:
             line += ["", "", "", ""] if v is None else [
                 repr(v.final), str(v.final_step), "" if v.best is None else repr(v.best),
                 "" if v.best_step is None else str(v.best_step)]
+        if comparison.energy:
+            line += ["" if row.energy_j is None else repr(row.energy_j),
+                     str(row.gpu_simulated).lower() if row.energy_j else "",
+                     *(repr(row.per_joule[u]) if u in row.per_joule else ""
+                       for u in comparison.work_units)]
         writer.writerow([_csv_safe(c) for c in line])
     return buffer.getvalue()
 
@@ -211,9 +256,14 @@ def to_json(comparison: Comparison) -> bytes:
                             "final_step": v.final_step, "best": v.best,
                             "best_step": v.best_step}
         rows.append({"member": row.label, "run_id": row.run_id, "step": row.step,
-                     "state": row.state, "params": row.params, "metrics": values})
+                     "state": row.state, "params": row.params, "metrics": values,
+                     "gpu_energy_j": row.energy_j, "gpu_energy_simulated": row.gpu_simulated,
+                     "work_per_joule": row.per_joule,
+                     "work_note": efficiency.NO_COUNTER
+                     if row.energy_j and not row.per_joule else ""})
     return msgspec.json.encode({"params": comparison.params, "metrics": comparison.metrics,
-                                "goals": comparison.goals, "rows": rows})
+                                "goals": comparison.goals, "work_units": comparison.work_units,
+                                "rows": rows})
 
 
 def _finite(value: float) -> float | None:

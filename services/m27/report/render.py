@@ -27,6 +27,7 @@ from m27 import __version__
 from m27.common.model import RunRecord, StepRecord, StepState
 from m27.common.proto import MASKED
 from m27.plots import figures
+from m27.report import efficiency
 from m27.report._style import CSS
 from m27.report._text import NO_VALUE, clean, clean_tail, esc, fmt_span, fmt_time, iso_time
 from m27.report._timeline import Mark, render_timeline
@@ -42,7 +43,7 @@ assert set(SUMMARY_ORDER) == set(get_args(StepState)), "a step state is missing"
 OPEN_STATES: Final = frozenset({"failed"})
 _TABLE_HEAD: Final = (
     "Step", "Type", "State", "Node", "GPUs", "Attempt", "Started", "Duration", "GPU energy",
-    "Exit", "Reason",
+    "Work per energy", "Exit", "Reason",
 )
 MAX_METRIC_FIGURES: Final = 8  # per step; every metric is in the results table
 #: A GPU's curves are drawn when some GPU the step held has at least this many readings: a
@@ -83,7 +84,8 @@ def render_run_report(run: RunRecord, *, generated_at: float,
     return _ENV.get_template("run_report.html.j2").render(
         version=__version__, css=_html(CSS), run=run, meta=_meta(run), notes=notes,
         summary=summary_line(run.steps), table_head=_TABLE_HEAD, dash=NO_VALUE,
-        rows=[_row(step) for step in run.steps], results=_results(run, evidence),
+        rows=[_row(step, evidence.of(step.name)) for step in run.steps],
+        results=_results(run, evidence),
         timeline=_html(render_timeline(run, generated_at=generated_at,
                                         marks=_marks(run, evidence))),
         details=[_detail(run, i, step, evidence.of(step.name), budget)
@@ -120,10 +122,12 @@ def _meta(run: RunRecord) -> list[tuple[str, Markup | str]]:
     ]
 
 
-def _row(step: StepRecord) -> dict[str, Any]:
+def _row(step: StepRecord, evidence: StepEvidence) -> dict[str, Any]:
+    work = efficiency.describe(efficiency.work_counters(evidence.curves), step.energy_j,
+                               simulated=step.gpu_simulated)
     return {"step": step, "gpus": _html(gpus_cell(step)), "started": _time(step.started_at),
             "duration": fmt_span(step.started_at, step.ended_at), "energy": _energy(step),
-            "exit": _exit_code(step.exit_code)}
+            "work": work or NO_VALUE, "exit": _exit_code(step.exit_code)}
 
 
 def gpus_cell(step: StepRecord) -> str:

@@ -42,6 +42,7 @@ __all__ = [
     "flush_metrics",
     "log",
     "log_to",
+    "log_work",
     "report_phase",
 ]
 
@@ -58,6 +59,14 @@ def log(step: int, **scalars: float) -> None:
     from m27.train import _metrics
 
     _metrics.log(step, **scalars)
+
+
+def log_work(step: int, **totals: float) -> None:
+    """Record the work done so far, cumulative, by unit: `m27.train.log_work(120,
+    flops=3.1e15)`; the report shows work per joule of GPU energy with it."""
+    from m27.train import _metrics
+
+    _metrics.log_work(step, **totals)
 
 
 def log_to(path: str | os.PathLike[str]) -> None:

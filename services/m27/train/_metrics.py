@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import atexit
 import json
+import math
 import os
 import threading
 import time
@@ -168,6 +169,26 @@ def log(step: int, **scalars: float) -> None:
     line = json.dumps({"step": step, "t": round(time.time(), 6), **values},
                       separators=(",", ":"))
     writer.add(line + "\n")
+
+
+def log_work(step: int, **totals: float) -> None:
+    """Record the work done so far, as cumulative totals by unit:
+    `m27.train.log_work(120, flops=3.1e15, samples=15360)`. They are metrics named
+    `work.<unit>`; the report and `m27 compare` divide a step's total by its GPU energy
+    (docs/training.md, "Work per joule"). ValueError for a negative or non-finite total."""
+    if not totals:
+        raise ValueError("m27.train.log_work: give at least one total, e.g. flops=3.1e15")
+    numbers: dict[str, float] = {}
+    for unit, total in totals.items():
+        try:  # a float, an int, a numpy or 0-d torch scalar
+            number = math.nan if isinstance(total, bool) else float(total)
+        except (TypeError, ValueError, OverflowError):
+            number = math.nan
+        if not math.isfinite(number) or number < 0:
+            raise ValueError(f"m27.train.log_work: {unit} must be a finite total ≥ 0, got "
+                             f"{total!r}")
+        numbers[f"work.{unit}"] = number
+    log(step, **numbers)
 
 
 def flush(timeout: float = 5.0) -> bool:

@@ -13,13 +13,23 @@ from hypothesis import strategies as st
 
 from m27.common.curves import Curve, summarize
 from m27.common.model import RunRecord, StepRecord
-from m27.report.compare import compare, goal_of, members_of, to_csv, to_json
+from m27.report.compare import (
+    cells,
+    compare,
+    goal_of,
+    header,
+    members_of,
+    to_csv,
+    to_json,
+)
 
 
 def step(name: str, matrix: dict[str, str] | None = None, state: str = "succeeded",
-         group: str = "") -> StepRecord:
+         group: str = "", energy_j: float | None = None,
+         gpu_simulated: bool = False) -> StepRecord:
     return StepRecord(name=name, type="gpu", command="true", matrix=matrix or {},
-                      group=group, state=state)  # type: ignore[arg-type]
+                      group=group, state=state,  # type: ignore[arg-type]
+                      energy_j=energy_j, gpu_simulated=gpu_simulated)
 
 
 def run(run_id: str, *steps: StepRecord, vars: dict[str, str] | None = None) -> RunRecord:
@@ -124,3 +134,21 @@ def test_rows_are_ordered_best_first_and_every_member_has_a_row(
     parsed = list(csv.reader(io.StringIO(to_csv(table))))
     assert len(parsed) == len(members) + 1
     json.loads(to_json(table))
+
+
+def test_energy_and_work_per_joule_beside_the_metrics_or_no_work_counter() -> None:
+    record = run(R1, step("a", {"lr": "1"}, group="t", energy_j=200.0, gpu_simulated=True),
+                 step("b", {"lr": "2"}, group="t", energy_j=100.0))
+    curves = {R1: [curve("a", "loss", [0.5]), curve("a", "work.flops", [1e14, 4e14]),
+                   curve("b", "loss", [0.4])]}
+    table = compare(members_of([record], curves), metrics=["loss"])
+    assert table.work_units == ("flops",)
+    assert header(table)[-2:] == ["GPU energy (J)", "FLOP/J"]
+    by_member = {c[0]: c for c in cells(table)}
+    assert by_member["a"][-2:] == ["200 (simulated)", "2e+12"]
+    assert by_member["b"][-2:] == ["100", "no work counter"]
+    rows = list(csv.reader(io.StringIO(to_csv(table))))
+    assert rows[0][-3:] == ["gpu_energy_j", "gpu_energy_simulated", "work_flops_per_j"]
+    data = json.loads(to_json(table))
+    assert {r["member"]: (r["work_per_joule"], r["work_note"]) for r in data["rows"]} == {
+        "a": ({"flops": 2e12}, ""), "b": ({}, "no work counter")}

@@ -322,6 +322,24 @@ def test_gpu_energy_is_shown_and_marked_simulated_when_modelled() -> None:
     assert "2.5 kJ (simulated)" in document
     assert "420 J" in document
     assert "420 J (simulated)" not in document
+    assert "Work per energy" in document
+    assert document.count("no work counter") == 2  # the GPU steps; prep used no energy
+
+
+def test_work_per_joule_comes_from_the_programs_counters_only() -> None:
+    from m27.common.curves import summarize
+    from m27.report.evidence import RunEvidence, StepEvidence
+
+    record = run(finished("train", energy_j=1000.0, gpu_ids=(0,), gpu_share=1.0),
+                 finished("sim", energy_j=2000.0, gpu_simulated=True, gpu_ids=(0,)))
+    evidence = RunEvidence(steps={
+        "train": StepEvidence(curves=(summarize("train", "work.flops", [0, 1],
+                                                [1e15, 1.9e15]),)),
+        "sim": StepEvidence(curves=(summarize("sim", "work.samples", [0], [4000.0]),))})
+    document = render_run_report(record, generated_at=T0, evidence=evidence)
+    assert "1.9 TFLOP/J" in document
+    assert "2 sample/J (simulated energy)" in document
+    assert "no work counter" not in document
 
 
 # -- v2: what the history holds of the run ------------------------------------------------

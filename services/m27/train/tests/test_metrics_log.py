@@ -84,3 +84,16 @@ def test_a_writer_that_cannot_write_drops_points_and_never_blocks(tmp_path: Path
         writer.add(json.dumps({"step": i, "loss": 1}) + "\n")
     assert writer.dropped == 7
     assert writer.flush(timeout=1.0) is False
+
+
+def test_work_totals_are_metrics_named_work_dot_unit(tmp_path: Path) -> None:
+    path = tmp_path / "work.jsonl"
+    m27.train.log_to(path)
+    m27.train.log_work(10, flops=3.1e15, samples=1280)
+    assert m27.train.flush_metrics()
+    assert [(p.step, p.values) for p in points(path)] == [
+        (10, {"work.flops": 3.1e15, "work.samples": 1280.0})]
+    for bad in ({"flops": -1.0}, {"flops": math.nan}, {"flops": math.inf}, {"flops": True},
+                {"flops": "many"}, {}):
+        with pytest.raises(ValueError, match="log_work"):
+            m27.train.log_work(11, **bad)
