@@ -1,0 +1,135 @@
+"""Maintenance windows (pure): when a node's next window starts, and whether a task may be
+placed on a node whose window is near.
+
+A window is a wall-clock time of day in a named time zone (`03:00` Europe/Berlin), once or
+every day or week, with the command the node's agent runs in it (a GPU reset), the lead
+before it during which new work that would not end or checkpoint in time is kept off the
+node, and the command's time limit. Occurrences are computed in the zone, so a daily
+window stays at 03:00 across daylight-saving changes; a time the clocks skip that day is
+read with the offset before the jump (02:30 becomes 03:30), and one that occurs twice is
+taken the first time.
+
+The scheduler drives a window (service shell): at its start it drains the node
+(checkpointing work is stopped and moves elsewhere, the rest is stopped and retried
+elsewhere), sends the command once the node is empty, and uncordons the node when the
+command succeeds.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import math
+import re
+from typing import Final, Literal
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+
+import msgspec
+
+from m27.common.errors import InvalidRequest
+
+Every = Literal["once", "day", "week"]
+EVERY: Final[tuple[Every, ...]] = ("once", "day", "week")
+DEFAULT_LEAD_S: Final = 2 * 3600.0
+DEFAULT_TIMEOUT_S: Final = 600.0
+MAX_COMMAND_CHARS: Final = 4096
+MAX_LEAD_S: Final = 7 * 86400.0
+MAX_TIMEOUT_S: Final = 86400.0
+_HHMM: Final = re.compile(r"([01]?\d|2[0-3]):([0-5]\d)")
+
+
+class WindowError(InvalidRequest):
+    """A window that cannot be set; the message says what is accepted."""
+
+
+class Window(msgspec.Struct, frozen=True, kw_only=True):
+    """A node's maintenance window, as set (`m27 node maintain`)."""
+
+    node_id: str
+    at: str  # "HH:MM", wall-clock time in `tz`
+    tz: str = "UTC"  # an IANA zone name
+    every: Every = "once"
+    first_day: str = ""  # ISO date of the first occurrence ("" the next `at` from `created`)
+    command: str = ""  # run by the node's agent through /bin/sh; "" drain and return only
+    lead_s: float = DEFAULT_LEAD_S
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    created: float = 0.0
+    created_by: str = ""
+
+
+def check_window(window: Window) -> Window:
+    """`window` if every field is acceptable; WindowError naming the field otherwise."""
+    if not _HHMM.fullmatch(window.at):
+        raise WindowError(f"--at {window.at[:40]!r}: expected a time of day HH:MM, e.g. 03:00")
+    zone(window.tz)
+    if window.every not in EVERY:
+        raise WindowError(f"--every {str(window.every)[:40]!r}: expected one of "
+                          f"{', '.join(EVERY)}")
+    if window.first_day:
+        try:
+            dt.date.fromisoformat(window.first_day)
+        except ValueError as exc:
+            raise WindowError(f"first day {window.first_day[:40]!r}: expected YYYY-MM-DD"
+                              ) from exc
+    if len(window.command) > MAX_COMMAND_CHARS or "\x00" in window.command:
+        raise WindowError(f"--command: at most {MAX_COMMAND_CHARS} characters and no NUL")
+    for name, value, most in (("--lead", window.lead_s, MAX_LEAD_S),
+                              ("--timeout", window.timeout_s, MAX_TIMEOUT_S)):
+        if not math.isfinite(value) or not 0 <= value <= most:
+            raise WindowError(f"{name}: between 0 s and {most:.0f} s, got {value!r}")
+    if window.timeout_s <= 0:
+        raise WindowError("--timeout: the command needs more than 0 s")
+    return window
+
+
+def zone(name: str) -> ZoneInfo:
+    try:
+        return ZoneInfo(name)
+    except (ZoneInfoNotFoundError, ValueError) as exc:
+        raise WindowError(f"time zone {name[:60]!r} is not known (an IANA name such as "
+                          "Europe/Berlin or UTC)") from exc
+
+
+def _wall(day: dt.date, hhmm: str, tz: ZoneInfo) -> float:
+    """The instant the clocks in `tz` show `hhmm` on `day`: the first of two (clocks going
+    back); a time the clocks skip is read with the offset before the jump (02:30 on a day
+    that jumps from 02:00 to 03:00 is 03:30)."""
+    hour, minute = (int(part) for part in hhmm.split(":"))
+    return dt.datetime.combine(day, dt.time(hour, minute), tzinfo=tz).timestamp()
+
+
+def occurrence_after(window: Window, after: float) -> float | None:
+    """The start of the first occurrence at or after `after` (None: a `once` window that
+    is over)."""
+    tz = zone(window.tz)
+    today = dt.datetime.fromtimestamp(after, tz).date()
+    first = dt.date.fromisoformat(window.first_day) if window.first_day else None
+    day = max(today, first) if first else today
+    step = {"once": 0, "day": 1, "week": 7}[window.every]
+    for _ in range(3):  # today's may have passed: the next day's (or week's) has not
+        start = _wall(day, window.at, tz)
+        if start >= after:
+            return start
+        if step == 0 and first is not None:
+            return None  # a `once` window on a given day that has passed
+        day += dt.timedelta(days=step or 1)
+    return None
+
+
+def pinned(window: Window, now: float) -> Window:
+    """A `once` window with its day fixed (the next `at` after `now`), so it happens once
+    whenever it is read again; others as they are."""
+    if window.every != "once" or window.first_day:
+        return window
+    start = occurrence_after(window, now)
+    assert start is not None  # no first day: there is always a next `at`
+    day = dt.datetime.fromtimestamp(start, zone(window.tz)).date()
+    return msgspec.structs.replace(window, first_day=day.isoformat())
+
+
+def blocks(window_in_s: float | None, *, checkpoints: bool, runs_for_s: float | None) -> bool:
+    """Whether a task must not be placed on a node whose window starts in `window_in_s`
+    (None: none within its lead): unless it checkpoints (it is stopped at the window
+    losing little) or its time limit ends it before the window."""
+    if window_in_s is None or checkpoints:
+        return False
+    return runs_for_s is None or runs_for_s > window_in_s
