@@ -44,7 +44,8 @@ TaskScoped = (ev.TaskPlaced | ev.TaskStarted | ev.TaskExited | ev.TaskIdle | ev.
               | ev.TaskStaged | ev.TaskOverShare | ev.TrainingAnomaly
               | ev.CheckpointCommitted | ev.CheckpointCorrupt)
 NodeScoped = (ev.NodeRegistered | ev.NodeHeartbeat | ev.NodeStopping | ev.NodeStopped
-              | ev.NodeLost | ev.GpuMemoryLeak | ev.NodePlatformDiffers)
+              | ev.NodeLost | ev.GpuMemoryLeak | ev.NodePlatformDiffers
+              | ev.NodeMaintenanceWindow | ev.MaintenanceCommandDone)
 
 
 def add_commands(sub: Subparsers) -> None:
@@ -241,6 +242,14 @@ def _node_details(event: NodeScoped) -> str:
             if not event.differences:
                 return "driver and CUDA agree with most nodes again"
             return "platform differs: " + "; ".join(_text(d) for d in event.differences)
+        case ev.NodeMaintenanceWindow():
+            return (f"maintenance window of {_stamp(event.occurrence)}: {event.phase}"
+                    + (f", exit {event.exit_code}" if event.exit_code is not None else "")
+                    + _why(event.detail))
+        case ev.MaintenanceCommandDone():
+            return ("maintenance command ended: "
+                    + (f"exit {event.exit_code}" if event.exit_code is not None else "no exit")
+                    + f" after {event.duration_s:.1f}s" + _why(event.error))
         case _:
             assert_never(event)
 

@@ -299,6 +299,37 @@ class NodePlatformDiffers(_Message, frozen=True, tag="node_platform_differs"):
     platform: Platform
 
 
+WindowPhase = Literal["draining", "running", "succeeded", "failed"]
+
+
+class NodeMaintenanceWindow(_Message, frozen=True, tag="node_maintenance_window"):
+    """A maintenance window of the node, from the scheduler: it began (`draining`: no new
+    work, running work is stopped and moves elsewhere), its command was sent (`running`),
+    and how it ended (`succeeded`: the node takes work again; `failed`: it stays cordoned,
+    `detail` says why, with the command's output)."""
+
+    node_id: str
+    phase: WindowPhase
+    occurrence: float  # the window's start this is about (unix seconds)
+    command: str = ""
+    detail: str = ""
+    exit_code: int | None = None
+    output_tail: str = ""
+    duration_s: float | None = None
+    next_at: float | None = None  # the next occurrence, when there is one
+
+
+class MaintenanceCommandDone(_Message, frozen=True, tag="maintenance_command_done"):
+    """Node-agent → scheduler (on the node's events): the window's command ended."""
+
+    node_id: str
+    occurrence: float
+    exit_code: int | None  # None: it did not run, or was killed at its time limit
+    output_tail: str = ""  # the last few KiB of its stdout and stderr
+    duration_s: float = 0.0
+    error: str = ""  # why it did not run or did not finish
+
+
 Event = (
     RunSubmitted
     | RunStateChanged
@@ -321,6 +352,8 @@ Event = (
     | NodeStopped
     | NodeLost
     | NodePlatformDiffers
+    | NodeMaintenanceWindow
+    | MaintenanceCommandDone
 )
 TaskEvent = TaskPlaced | TaskStarted | TaskExited
 
@@ -448,6 +481,17 @@ class StageTask(_Message, frozen=True, tag="stage_task"):
     reason: str = ""
 
 
+class RunMaintenance(_Message, frozen=True, tag="run_maintenance"):
+    """Scheduler → node-agent: the node is empty for its maintenance window; run `command`
+    (through /bin/sh, in its own process group, killed after `timeout_s`) and answer with
+    `maintenance_command_done`. Refused while the agent still runs tasks."""
+
+    node_id: str
+    occurrence: float
+    command: str
+    timeout_s: float
+
+
 class SecretsRequest(msgspec.Struct, frozen=True, kw_only=True):
     """A node-agent asks for the secret environment values of one attempt it starts
     (`subjects.SECRETS_REQUEST`, core NATS request/reply, never stored)."""
@@ -508,7 +552,8 @@ class GpuTelemetry(_Message, frozen=True, tag="gpu_telemetry"):
 
 
 SchedulerCommand = EnqueueTask | CancelTask
-NodeCommand = StartTask | StopTask | CheckpointTask | PauseTask | ResumeTask | StageTask
+NodeCommand = (StartTask | StopTask | CheckpointTask | PauseTask | ResumeTask | StageTask
+               | RunMaintenance)
 Command = SchedulerCommand | NodeCommand
 Message = Event | Command | MetricPoints | GpuTelemetry
 

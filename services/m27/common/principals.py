@@ -174,6 +174,7 @@ def permissions(who: Principal) -> Permissions:
             *kv_write(subjects.TASKS_BUCKET), *kv_read(subjects.TASKS_BUCKET),
             *kv_write(subjects.FENCES_BUCKET), *kv_read(subjects.FENCES_BUCKET),
             *kv_write(subjects.MAINTENANCE_BUCKET), *kv_read(subjects.MAINTENANCE_BUCKET),
+            *kv_write(subjects.WINDOWS_BUCKET), *kv_read(subjects.WINDOWS_BUCKET),
             *kv_read(subjects.NODES_BUCKET),
             *kv_write(subjects.LEASES_BUCKET, "scheduler"), *kv_read(subjects.LEASES_BUCKET),
             *service_entry("scheduler"),

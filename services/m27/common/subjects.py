@@ -212,6 +212,7 @@ CHECKPOINTS_BUCKET: Final = "m27_checkpoints"
 CACHE_BUCKET: Final = "m27_cache"
 FENCES_BUCKET: Final = "m27_fences"
 MAINTENANCE_BUCKET: Final = "m27_maintenance"
+WINDOWS_BUCKET: Final = "m27_windows"
 SECRETS_BUCKET: Final = "m27_secrets"
 SUBSCRIPTIONS_BUCKET: Final = "m27_subscriptions"
 LEASES_BUCKET: Final = "m27_leases"
@@ -264,6 +265,12 @@ BUCKETS: Final[tuple[BucketSpec, ...]] = (
     BucketSpec(
         name=MAINTENANCE_BUCKET,
         description="Scheduler: node_id → cordoned or draining (m27 node cordon|drain).",
+    ),
+    BucketSpec(
+        name=WINDOWS_BUCKET,
+        description="Scheduler: node_id → its maintenance window (m27 node maintain) and "
+        "where the window stands (scheduled, draining, running).",
+        max_value_size=64 * 1024,
     ),
     BucketSpec(
         name=SECRETS_BUCKET,

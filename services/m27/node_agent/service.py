@@ -40,6 +40,7 @@ from m27.node_agent._backends import Backend, open_backend
 from m27.node_agent._file_sync import FileCheckpoints, remote_stores
 from m27.node_agent._isolation import detect_cgroups, mps_running
 from m27.node_agent._lease import Lease, lease_path, monotonic, start_guard, stop_guard
+from m27.node_agent._maintenance import run_command
 from m27.node_agent._runner import TaskRunner
 from m27.node_agent._staging import stage_inputs
 from m27.node_agent._tasks import NodeContext, passed_env
@@ -325,6 +326,23 @@ class NodeAgent:
                 staging = asyncio.create_task(self._stage(command))
                 self._staging.add(staging)
                 staging.add_done_callback(self._staging.discard)
+            case events.RunMaintenance():
+                # At most once: acknowledged now, answered when it ends (an agent that dies
+                # meanwhile leaves the scheduler to time the window out).
+                work = asyncio.create_task(self._maintain(command))
+                self._staging.add(work)
+                work.add_done_callback(self._staging.discard)
+
+    async def _maintain(self, command: events.RunMaintenance) -> None:
+        log.warning("node.maintenance_command", occurrence=command.occurrence,
+                    command=command.command[:200], timeout_s=command.timeout_s)
+        done = await run_command(command, node_id=self._node_id,
+                                 running=len(self.runner.running_ids()), clock=self._clock())
+        log.log(logging.INFO if done.exit_code == 0 else logging.ERROR,
+                "node.maintenance_command_done", exit_code=done.exit_code, error=done.error,
+                duration_s=round(done.duration_s, 2))
+        await self._publish(subjects.node_events(self._node_id), done,
+                            msg_id=f"maintenance-done:{self._node_id}:{command.occurrence}")
 
     async def _stage(self, command: events.StageTask) -> None:
         """Ready pool: read the waiting task's inputs ahead, then say so (`task_staged`)."""

@@ -184,13 +184,20 @@ def protection(r: Running, now: float, settings: PolicySettings) -> str:
 
 
 def _drain(state: ClusterState, settings: PolicySettings) -> list[Decision]:
-    """Checkpointing tasks on draining nodes move; the others are left to finish."""
+    """Checkpointing tasks on draining nodes move; the others are left to finish, except
+    on a node evacuated for its maintenance window, which every task leaves."""
     draining = {n.node_id for n in state.nodes if n.draining}
+    evacuating = {n.node_id for n in state.nodes if n.evacuating}
     return [Preempt(task_id=r.job.task_id, attempt=r.job.attempt,
                     grace_s=settings.preempt_grace_s,
-                    reason=f"drain {r.node_id}: checkpoint and move to another node")
+                    reason=(f"maintenance window on {r.node_id}: " + (
+                        "checkpoint and move to another node" if r.job.checkpoints
+                        else "stopped, runs again on another node"))
+                    if r.node_id in evacuating
+                    else f"drain {r.node_id}: checkpoint and move to another node")
             for r in sorted(state.running, key=lambda r: r.job.task_id)
-            if r.node_id in draining and r.job.checkpoints and not r.stopping]
+            if r.node_id in draining and not r.stopping
+            and (r.job.checkpoints or r.node_id in evacuating)]
 
 
 def run_cycle(state: ClusterState, queue: Sequence[Queued], now: float,

@@ -33,6 +33,7 @@ import numpy as np
 import numpy.typing as npt
 
 from m27.common.platform import Requirements, any_model_matches, platform_fits
+from m27.common.windows import blocks
 from m27.scheduler.model import MILLI_PER_GPU, Job, Node
 
 Strategy = Literal["m27", "fgd", "bestfit"]
@@ -57,6 +58,10 @@ class Request(msgspec.Struct, frozen=True, kw_only=True):
     models: tuple[str, ...] = ()  # allowed GPU models (m27.common.platform words); () any
     driver: str = ""  # a driver version requirement, e.g. ">=535"; "" none
     cuda: str = ""  # a CUDA version requirement, e.g. ">=12.1"; "" none
+    #: For nodes whose maintenance window is near: it checkpoints (stops losing little), or
+    #: its time limit (None: none) — it may go there only if one of them ends it in time.
+    checkpoints: bool = False
+    runs_for_s: float | None = None
 
     @property
     def requirements(self) -> Requirements:
@@ -75,7 +80,7 @@ def request_of(job: Job) -> Request:
     models = tuple(m for m in job.gpu_model.split("|") if m) if job.gpu_model else ()
     return Request(gpus=gpus, milli=milli, cpu_milli=job.cpu_milli, memory_mb=job.memory_mb,
                    gpu_memory_mb=job.gpu_memory_mb, models=models, driver=job.driver,
-                   cuda=job.cuda)
+                   cuda=job.cuda, checkpoints=job.checkpoints, runs_for_s=job.timeout_s)
 
 
 def typical_demand(requests: Sequence[Request], coverage: float = 0.95,
@@ -213,8 +218,8 @@ class Packer:
         self.rank = np.asarray(tie_rank if tie_rank is not None else range(n), np.int64)
         self.version = np.zeros(n, np.int64)  # bumped on every change of a node
         self._cache: dict[Request, _Entry] = {}
-        self._allowed: dict[tuple[tuple[str, ...], str, str], B] = {}
-        self._platform_ok: dict[tuple[str, str], B] = {}
+        self._allowed: dict[tuple[tuple[str, ...], str, str, bool, float | None], B] = {}
+        self._node_allows: dict[tuple[str, str, bool, float | None], B] = {}
         self._set_demand(demand)
 
     # -- fragmentation bookkeeping ------------------------------------------------------
@@ -248,25 +253,29 @@ class Packer:
         return np.isin(self.model, codes) & self.exists
 
     def allowed(self, req: Request) -> B:
-        """GPUs (node × column) `req` may use: of a model it allows, on a node whose driver
-        and CUDA meet its requirements (a node that does not know its version meets none).
-        Nodes and their platforms do not change within a packer: computed once per ask."""
-        key = (req.models, req.driver, req.cuda)
+        """GPUs (node × column) `req` may use: of a model it allows, on a node that allows
+        it (`node_allows`). Nodes, their platforms and windows do not change within a
+        packer: computed once per kind of ask."""
+        key = (req.models, req.driver, req.cuda, req.checkpoints, req.runs_for_s)
         mask = self._allowed.get(key)
         if mask is None:
-            mask = self.model_mask(req.models) & self.platform_ok(req)[:, None]
+            mask = self.model_mask(req.models) & self.node_allows(req)[:, None]
             self._allowed[key] = mask
         return mask
 
-    def platform_ok(self, req: Request) -> B:
-        """Nodes whose driver and CUDA meet `req`'s requirements (all, with none)."""
-        key = (req.driver, req.cuda)
-        mask = self._platform_ok.get(key)
+    def node_allows(self, req: Request) -> B:
+        """Nodes that allow `req` beyond capacity: their driver and CUDA meet its
+        requirements (all, with none), and their maintenance window is not so near that
+        it would be cut short (unless it checkpoints or its time limit ends it before)."""
+        key = (req.driver, req.cuda, req.checkpoints, req.runs_for_s)
+        mask = self._node_allows.get(key)
         if mask is None:
             needs = Requirements(driver=req.driver, cuda=req.cuda)
-            mask = np.array([platform_fits(n.platform, needs) for n in self.nodes],
-                            np.bool_).reshape(len(self.nodes))
-            self._platform_ok[key] = mask
+            mask = np.array([platform_fits(n.platform, needs)
+                             and not blocks(n.window_in_s, checkpoints=req.checkpoints,
+                                            runs_for_s=req.runs_for_s)
+                             for n in self.nodes], np.bool_).reshape(len(self.nodes))
+            self._node_allows[key] = mask
         return mask
 
     def _fr(self) -> I64:
@@ -348,10 +357,10 @@ class Packer:
 
     def node_fits(self, req: Request, rows: I64 | None = None) -> B:
         """Nodes (all, or `rows`) that take new work, have the CPU and memory for `req` and
-        the driver and CUDA it requires."""
+        allow it (`node_allows`: driver, CUDA, maintenance window)."""
         r = slice(None) if rows is None else rows
         fits: B = (self.node_ok[r] & (self.cpu[r] >= req.cpu_milli)
-                   & (self.mem[r] >= req.memory_mb) & self.platform_ok(req)[r])
+                   & (self.mem[r] >= req.memory_mb) & self.node_allows(req)[r])
         return fits
 
     def gpu_fits(self, req: Request, rows: I64 | None = None) -> B:

@@ -83,6 +83,8 @@ class Maintenance(msgspec.Struct, frozen=True, kw_only=True):
     state: MaintenanceState
     reason: str = ""
     at: float = 0.0
+    #: Draining for a maintenance window: every task leaves, not only checkpointing ones.
+    evacuate: bool = False
 
 
 class NodeView(msgspec.Struct, frozen=True, kw_only=True):
@@ -138,7 +140,8 @@ def job_of(task: EnqueueTask) -> Job:
                preemptible=task.preemptible, tier=tier_of(task),
                checkpoints=task.checkpoint_interval_s is not None or task.preemptible,
                fruitless_preemptions=task.fruitless_preemptions,
-               gpu_model=resources.gpu_model, driver=resources.driver, cuda=resources.cuda)
+               gpu_model=resources.gpu_model, driver=resources.driver, cuda=resources.cuda,
+               timeout_s=task.timeout_s)
 
 
 def _gpu(info: NodeInfo, index: int, memory_mb: int, simulated: bool, model: str) -> Gpu:
@@ -150,8 +153,10 @@ def _gpu(info: NodeInfo, index: int, memory_mb: int, simulated: bool, model: str
                utilization_pct=sample.utilization_pct)
 
 
-def node_of(view: NodeView, maintenance: Maintenance | None) -> Node:
-    """Takes new work only when up, alive and not in maintenance."""
+def node_of(view: NodeView, maintenance: Maintenance | None,
+            window_in_s: float | None = None) -> Node:
+    """Takes new work only when up, alive and not in maintenance; `window_in_s`: its
+    maintenance window is that near (m27.scheduler._windows.window_in_s)."""
     info = view.info
     gpus = tuple(_gpu(info, g.index, g.memory_total_mb, g.simulated, g.name)
                  for g in info.gpus)
@@ -159,7 +164,8 @@ def node_of(view: NodeView, maintenance: Maintenance | None) -> Node:
     return Node(node_id=info.node_id, gpus=gpus, cpu_milli=info.cpu_slots * 1000,
                 schedulable=schedulable,
                 draining=maintenance is not None and maintenance.state == "draining",
-                platform=info.platform)
+                platform=info.platform, window_in_s=window_in_s,
+                evacuating=maintenance is not None and maintenance.evacuate)
 
 
 def running_of(entry: TaskEntry) -> Running | None:
@@ -181,10 +187,13 @@ def running_of(entry: TaskEntry) -> Running | None:
 
 
 def cluster_state(nodes: Iterable[NodeView], maintenance: Mapping[str, Maintenance],
-                  entries: Iterable[TaskEntry]) -> ClusterState:
-    """Nodes sorted by id and running tasks by task id: the same input, the same decisions."""
+                  entries: Iterable[TaskEntry],
+                  windows: Mapping[str, float] | None = None) -> ClusterState:
+    """Nodes sorted by id and running tasks by task id: the same input, the same decisions.
+    `windows`: node → seconds until its maintenance window, where that is within its lead."""
+    near = windows or {}
     return ClusterState(
-        nodes=tuple(node_of(v, maintenance.get(v.info.node_id))
+        nodes=tuple(node_of(v, maintenance.get(v.info.node_id), near.get(v.info.node_id))
                     for v in sorted(nodes, key=lambda v: v.info.node_id)),
         running=tuple(r for e in sorted(entries, key=lambda e: e.task.task_id)
                       if (r := running_of(e)) is not None))

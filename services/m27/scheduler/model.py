@@ -44,6 +44,11 @@ class Node(msgspec.Struct, frozen=True, kw_only=True):
     #: Its running work is to be checkpointed and moved off (`m27 node drain`).
     draining: bool = False
     platform: Platform = Platform()  # driver and CUDA versions, for requirements
+    #: Its maintenance window starts in this many seconds (0: it is on); None: none within
+    #: the window's lead. New work must end or checkpoint before it (m27.common.windows).
+    window_in_s: float | None = None
+    #: Draining for a maintenance window: all its work stops, not only what checkpoints.
+    evacuating: bool = False
 
 
 class Job(msgspec.Struct, frozen=True, kw_only=True):
@@ -64,6 +69,7 @@ class Job(msgspec.Struct, frozen=True, kw_only=True):
     gpu_model: str = ""
     driver: str = ""  # a driver version requirement (">=535"); "" none
     cuda: str = ""  # a CUDA version requirement (">=12.1"); "" none
+    timeout_s: float | None = None  # its time limit: it ends by then (maintenance windows)
     #: The task saves checkpoints (a `checkpoint:` interval or m27.train): a stop loses
     #: little, so it is a cheap preemption victim and can be moved off a draining node.
     checkpoints: bool = False

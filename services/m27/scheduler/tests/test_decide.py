@@ -502,3 +502,36 @@ def test_capacity_freed_for_a_waiting_task_is_not_refilled_by_lower_work(
     assert "t" in waits(decisions)
     assert "b2" in waits(decisions)
     assert places(decisions) == {}
+
+
+def test_ahead_of_a_maintenance_window_only_work_that_ends_or_checkpoints_in_time_goes_there(
+        ) -> None:
+    cluster = state(node("soon", 1, window_in_s=600.0), node("later", 1))
+    busy_later = state(node("soon", 1, window_in_s=600.0), node("later", 1),
+                       running=(running("r", "later", (0,), 1000),))
+    assert places(decide(busy_later, [queued("plain", 1000)], 1.0)) == {}
+    assert "plain" in waits(decide(busy_later, [queued("plain", 1000)], 1.0))
+    assert places(decide(busy_later, [queued("ckpt", 1000, checkpoints=True)], 1.0)) == {
+        "ckpt": ("soon", (0,))}
+    assert places(decide(busy_later, [queued("short", 1000, timeout_s=300.0)], 1.0)) == {
+        "short": ("soon", (0,))}
+    assert places(decide(busy_later, [queued("long", 1000, timeout_s=900.0)], 1.0)) == {}
+    # with room elsewhere, work that would be cut short goes elsewhere
+    assert places(decide(cluster, [queued("plain", 1000)], 1.0)) == {"plain": ("later", (0,))}
+
+
+def test_a_node_evacuated_for_its_window_stops_all_its_work() -> None:
+    cluster = state(node("n1", 2, schedulable=False, draining=True, evacuating=True),
+                    node("n2", 2),
+                    running=(running("ckpt", "n1", (0,), 1000, checkpoints=True),
+                             running("plain", "n1", (1,), 1000),
+                             running("other", "n2", (0,), 1000)))
+    decisions = decide(cluster, [], 10_000.0)
+    assert sorted(preempted(decisions)) == ["ckpt", "plain"]
+    reasons = {d.task_id: d.reason for d in decisions if isinstance(d, Preempt)}
+    assert reasons["plain"] == "maintenance window on n1: stopped, runs again on another node"
+    # an ordinary drain leaves work that does not checkpoint to finish
+    drained = state(node("n1", 2, schedulable=False, draining=True), node("n2", 2),
+                    running=(running("ckpt", "n1", (0,), 1000, checkpoints=True),
+                             running("plain", "n1", (1,), 1000)))
+    assert preempted(decide(drained, [], 10_000.0)) == ["ckpt"]

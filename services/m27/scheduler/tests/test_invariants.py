@@ -12,6 +12,7 @@ from m27.common.platform import (
     model_alternatives,
     platform_fits,
 )
+from m27.common.windows import blocks
 from m27.scheduler._priority import attempt_gpu_s, order, running_score
 from m27.scheduler.model import (
     ClusterState,
@@ -40,7 +41,8 @@ def clusters(draw: st.DrawFn) -> tuple[ClusterState, list[Queued], PolicySetting
                                             max_size=4))),
                   schedulable=draw(st.booleans()) or i == 0,
                   model=draw(st.sampled_from(["", "NVIDIA A100-SXM4-80GB", "NVIDIA A10G"])),
-                  platform=draw(PLATFORMS))
+                  platform=draw(PLATFORMS),
+                  window_in_s=draw(st.sampled_from([None, None, 0.0, 600.0, 7200.0])))
              for i in range(draw(st.integers(1, 4)))]
     run: list[Running] = []
     for n in nodes:
@@ -58,7 +60,9 @@ def clusters(draw: st.DrawFn) -> tuple[ClusterState, list[Queued], PolicySetting
                     attained=draw(st.sampled_from([0.0, 0.0, 1800.0, 7200.0])),
                     gpu_model=draw(st.sampled_from(["", "", "A100", "A10|A10G"])),
                     cuda=draw(st.sampled_from(["", "", ">=12.1", "<12.3"])),
-                    driver=draw(st.sampled_from(["", "", "550", "==535.104"])))
+                    driver=draw(st.sampled_from(["", "", "550", "==535.104"])),
+                    checkpoints=draw(st.booleans()),
+                    timeout_s=draw(st.sampled_from([None, 300.0, 3600.0])))
              for i in range(draw(st.integers(0, 12)))]
     overprovision = draw(st.sampled_from([1.0, 1.5]))
     return (ClusterState(nodes=tuple(nodes), running=tuple(run)), queue,
@@ -182,7 +186,7 @@ def test_nothing_starves_a_low_task_outranks_newer_urgent_ones_eventually(
 
 @settings(max_examples=150, deadline=None)
 @given(clusters())
-def test_work_goes_only_where_its_gpu_model_driver_and_cuda_requirements_hold(
+def test_work_goes_only_where_its_requirements_and_the_nodes_windows_allow(
         drawn: tuple[ClusterState, list[Queued], PolicySettings]) -> None:
     cluster, queue, policy_settings = drawn
     jobs = {q.job.task_id: q.job for q in queue}
@@ -194,6 +198,8 @@ def test_work_goes_only_where_its_gpu_model_driver_and_cuda_requirements_hold(
         target = nodes[decision.node_id]
         needs = Requirements(gpu_model=job.gpu_model, driver=job.driver, cuda=job.cuda)
         assert platform_fits(target.platform, needs), (decision, needs)
+        assert not blocks(target.window_in_s, checkpoints=job.checkpoints,
+                          runs_for_s=job.timeout_s), (decision, target.window_in_s)
         if job.gpu_model:
             allowed = model_alternatives(job.gpu_model)
             for gpu in decision.gpu_ids:
