@@ -16,6 +16,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final, TypeVar
 
+from m27.cli import _windows
 from m27.cli._common import Subparsers, add, print_json, service_address
 from m27.cli._live import FitTable, console, table
 from m27.client.scheduler import Action, NodeMaintenance, QueueItem, SchedulerClient
@@ -38,9 +39,14 @@ def add_commands(sub: Subparsers) -> None:
     queue.add_argument("--json", action="store_true", help="machine-readable output")
     _scheduler_option(queue)
     node = add(sub, "node", "node maintenance: cordon (no new work), drain (no new work; "
-               "checkpointing tasks are checkpointed and moved), uncordon", cmd_node)
-    node.add_argument("action", choices=("cordon", "drain", "uncordon"))
-    node.add_argument("node_id", metavar="NODE")
+               "checkpointing tasks are checkpointed and moved), uncordon; maintain (a "
+               "maintenance window: drain, run a command, return), windows (list them)",
+               cmd_node)
+    node.formatter_class = argparse.RawDescriptionHelpFormatter
+    node.epilog = _windows.EPILOG
+    node.add_argument("action", choices=("cordon", "drain", "uncordon", "maintain", "windows"))
+    node.add_argument("node_id", metavar="NODE", nargs="?", default="",
+                      help="the node (every action but windows)")
     node.add_argument("--reason", default="", help="shown in `m27 nodes` and the logs")
     node.add_argument("--json", action="store_true", help="machine-readable output")
     node.add_argument("--wait", action="store_true",
@@ -49,6 +55,7 @@ def add_commands(sub: Subparsers) -> None:
                       "`m27 node drain gpu-02 --wait && ssh gpu-02 nvidia-smi -r`")
     node.add_argument("--timeout", type=float, default=3600.0, metavar="SECONDS",
                       help="with --wait: give up (exit 1) after this long (default 3600)")
+    _windows.add_arguments(node)
     _scheduler_option(node)
 
 
@@ -204,6 +211,15 @@ def cmd_queue(args: argparse.Namespace) -> int:
 
 
 def cmd_node(args: argparse.Namespace) -> int:
+    if args.action == "windows":
+        _windows.show(with_scheduler(args, lambda c: c.windows()), args)
+        return 0
+    if not args.node_id:
+        raise M27Error(f"m27 node {args.action} needs a NODE (`m27 nodes` lists them)")
+    if args.action == "maintain":
+        window = with_scheduler(args, lambda c: _windows.maintain(c, args))
+        _windows.show([window], args, cleared=args.clear)
+        return 0
     action: Action = args.action
     if args.wait and action == "uncordon":
         raise M27Error("--wait applies to cordon and drain (waiting for the node to empty)")

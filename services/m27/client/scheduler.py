@@ -62,6 +62,34 @@ class QueueItem(msgspec.Struct, frozen=True, kw_only=True):
     protected: str = ""
 
 
+class WindowStatus(msgspec.Struct, frozen=True, kw_only=True):
+    """A node's maintenance window and where it stands (`m27 node windows`)."""
+
+    node_id: str
+    at: str
+    tz: str
+    every: str
+    first_day: str
+    command: str
+    lead_s: float
+    timeout_s: float
+    next_at: float | None  # None: no occurrence left
+    phase: str  # scheduled, draining, running
+    occurrence: float
+    runs: int
+    last: str
+    created_by: str
+
+
+def _window(message: pb.MaintenanceWindow) -> WindowStatus:
+    return WindowStatus(
+        node_id=message.node_id, at=message.at, tz=message.tz, every=message.every,
+        first_day=message.first_day, command=message.command, lead_s=message.lead_s,
+        timeout_s=message.timeout_s, next_at=message.next_at or None, phase=message.phase,
+        occurrence=message.occurrence, runs=message.runs, last=message.last,
+        created_by=message.created_by)
+
+
 def _maintenance(message: pb.NodeMaintenance) -> NodeMaintenance:
     return NodeMaintenance(node_id=message.node_id, state=message.state,
                            reason=message.reason, since=message.since, tasks=message.tasks)
@@ -116,6 +144,37 @@ class SchedulerClient:
         except grpc.aio.AioRpcError as exc:
             raise self._error(exc) from None
         return [_maintenance(m) for m in reply.nodes]
+
+    async def set_window(self, node_id: str, *, at: str, tz: str = "UTC", every: str = "once",
+                         first_day: str = "", command: str = "", lead_s: float | None = None,
+                         timeout_s: float | None = None) -> WindowStatus:
+        """Set (replace) the node's maintenance window; SchedulerError says what is wrong."""
+        request = pb.SetMaintenanceWindowRequest(node_id=node_id, at=at, tz=tz, every=every,
+                                                 first_day=first_day, command=command)
+        if lead_s is not None:
+            request.lead_s = lead_s
+        if timeout_s is not None:
+            request.timeout_s = timeout_s
+        try:
+            return _window(await self._stub.SetMaintenanceWindow(request, timeout=self.timeout))
+        except grpc.aio.AioRpcError as exc:
+            raise self._error(exc) from None
+
+    async def clear_window(self, node_id: str) -> WindowStatus:
+        request = pb.ClearMaintenanceWindowRequest(node_id=node_id)
+        try:
+            return _window(await self._stub.ClearMaintenanceWindow(request,
+                                                                   timeout=self.timeout))
+        except grpc.aio.AioRpcError as exc:
+            raise self._error(exc) from None
+
+    async def windows(self) -> list[WindowStatus]:
+        try:
+            reply = await self._stub.ListMaintenanceWindows(
+                pb.ListMaintenanceWindowsRequest(), timeout=self.timeout)
+        except grpc.aio.AioRpcError as exc:
+            raise self._error(exc) from None
+        return [_window(w) for w in reply.windows]
 
     async def queue(self, *, explain: bool = False) -> list[QueueItem]:
         try:

@@ -46,6 +46,8 @@ METHOD_ROLES: Final[dict[str, frozenset[ApiRole]]] = {
     **_service("NodeService", {"TailLog": frozenset({"node"})}),
     **_service("SchedulerService", {
         "SetNodeMaintenance": _ADMIN, "ListNodeMaintenance": _READERS,
+        "SetMaintenanceWindow": _ADMIN, "ClearMaintenanceWindow": _ADMIN,
+        "ListMaintenanceWindows": _READERS,
         "ListQueue": _READERS}),
     **_service("ReportService", {"GetMetrics": _READERS}),
     **_service("CheckpointService", {

@@ -34,7 +34,7 @@ DEFAULT_TIMEOUT_S: Final = 600.0
 MAX_COMMAND_CHARS: Final = 4096
 MAX_LEAD_S: Final = 7 * 86400.0
 MAX_TIMEOUT_S: Final = 86400.0
-_HHMM: Final = re.compile(r"([01]?\d|2[0-3]):([0-5]\d)")
+_HHMM: Final = re.compile(r"([01]?\d|2[0-3]):([0-5]\d)(?::([0-5]\d))?")
 
 
 class WindowError(InvalidRequest):
@@ -45,7 +45,7 @@ class Window(msgspec.Struct, frozen=True, kw_only=True):
     """A node's maintenance window, as set (`m27 node maintain`)."""
 
     node_id: str
-    at: str  # "HH:MM", wall-clock time in `tz`
+    at: str  # "HH:MM" (or "HH:MM:SS"), wall-clock time in `tz`
     tz: str = "UTC"  # an IANA zone name
     every: Every = "once"
     first_day: str = ""  # ISO date of the first occurrence ("" the next `at` from `created`)
@@ -59,7 +59,8 @@ class Window(msgspec.Struct, frozen=True, kw_only=True):
 def check_window(window: Window) -> Window:
     """`window` if every field is acceptable; WindowError naming the field otherwise."""
     if not _HHMM.fullmatch(window.at):
-        raise WindowError(f"--at {window.at[:40]!r}: expected a time of day HH:MM, e.g. 03:00")
+        raise WindowError(f"--at {window.at[:40]!r}: expected a time of day HH:MM (or "
+                          "HH:MM:SS), e.g. 03:00")
     zone(window.tz)
     if window.every not in EVERY:
         raise WindowError(f"--every {str(window.every)[:40]!r}: expected one of "
@@ -93,8 +94,8 @@ def _wall(day: dt.date, hhmm: str, tz: ZoneInfo) -> float:
     """The instant the clocks in `tz` show `hhmm` on `day`: the first of two (clocks going
     back); a time the clocks skip is read with the offset before the jump (02:30 on a day
     that jumps from 02:00 to 03:00 is 03:30)."""
-    hour, minute = (int(part) for part in hhmm.split(":"))
-    return dt.datetime.combine(day, dt.time(hour, minute), tzinfo=tz).timestamp()
+    hour, minute, second = (int(part) for part in (hhmm + ":0").split(":")[:3])
+    return dt.datetime.combine(day, dt.time(hour, minute, second), tzinfo=tz).timestamp()
 
 
 def occurrence_after(window: Window, after: float) -> float | None:

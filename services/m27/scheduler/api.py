@@ -12,8 +12,16 @@ from typing import TYPE_CHECKING, Final
 import grpc
 import msgspec
 
+from m27.common.api_auth import caller
 from m27.common.errors import InvalidRequest, NotFoundError
 from m27.common.grpc_server import refuse
+from m27.common.windows import (
+    DEFAULT_LEAD_S,
+    DEFAULT_TIMEOUT_S,
+    EVERY,
+    Window,
+    WindowError,
+)
 from m27.scheduler import policy
 from m27.scheduler._state import (
     Maintenance,
@@ -23,6 +31,7 @@ from m27.scheduler._state import (
     running_of,
     tier_of,
 )
+from m27.scheduler._windows import WindowRecord
 from m27.scheduler.model import PolicySettings
 from m27.v1 import scheduler_pb2 as pb
 from m27.v1 import scheduler_pb2_grpc as pb_grpc
@@ -45,6 +54,30 @@ def maintenance_to_proto(node_id: str, mark: Maintenance | None, tasks: int) -> 
         return pb.NodeMaintenance(node_id=node_id, tasks=tasks)
     return pb.NodeMaintenance(node_id=node_id, state=mark.state, reason=mark.reason,
                               since=mark.at, tasks=tasks)
+
+
+def window_to_proto(record: WindowRecord) -> pb.MaintenanceWindow:
+    window = record.window
+    return pb.MaintenanceWindow(
+        node_id=window.node_id, at=window.at, tz=window.tz, every=window.every,
+        first_day=window.first_day, command=window.command, lead_s=window.lead_s,
+        timeout_s=window.timeout_s, next_at=record.next_at or 0.0, phase=record.phase,
+        occurrence=record.occurrence, runs=record.runs, last=record.last,
+        created_by=window.created_by)
+
+
+def window_of(request: pb.SetMaintenanceWindowRequest, *, created: float,
+              created_by: str) -> Window:
+    every = request.every or "once"
+    if every not in EVERY:
+        raise WindowError(f"--every {every[:40]!r}: expected one of {', '.join(EVERY)}")
+    return Window(
+        node_id=request.node_id, at=request.at, tz=request.tz or "UTC",
+        every=every,  # checked above
+        first_day=request.first_day, command=request.command,
+        lead_s=request.lead_s if request.HasField("lead_s") else DEFAULT_LEAD_S,
+        timeout_s=request.timeout_s if request.HasField("timeout_s") else DEFAULT_TIMEOUT_S,
+        created=created, created_by=created_by)
 
 
 def entry_state(entry: TaskEntry) -> str:
@@ -115,6 +148,41 @@ class SchedulerServicer(pb_grpc.SchedulerServiceServicer):
         return pb.ListNodeMaintenanceResponse(nodes=[
             maintenance_to_proto(n, scheduler.maintenance.get(n), scheduler.tasks_on(n))
             for n in names])
+
+    async def SetMaintenanceWindow(self, request: pb.SetMaintenanceWindowRequest,
+                                   context: Context) -> pb.MaintenanceWindow:
+        scheduler = self.scheduler
+        if request.node_id not in scheduler.nodes:
+            await refuse(context, NotFoundError(f"no node {request.node_id[:100]!r} is "
+                                                "registered"))
+        now = time.time()
+        try:
+            window = window_of(request, created=now, created_by=caller().user)
+            async with scheduler.lock:
+                record = await scheduler.windows.set(window, now)
+        except WindowError as exc:
+            await refuse(context, exc)
+        if record is None:
+            await refuse(context, InvalidRequest(
+                f"the window {request.first_day} {request.at} {request.tz or 'UTC'} is over "
+                "already: nothing to schedule"))
+        scheduler.wake.set()
+        return window_to_proto(record)
+
+    async def ClearMaintenanceWindow(self, request: pb.ClearMaintenanceWindowRequest,
+                                     context: Context) -> pb.MaintenanceWindow:
+        async with self.scheduler.lock:
+            record = await self.scheduler.windows.clear(request.node_id)
+        if record is None:
+            await refuse(context, NotFoundError(
+                f"node {request.node_id[:100]!r} has no maintenance window"))
+        return window_to_proto(record)
+
+    async def ListMaintenanceWindows(self, request: pb.ListMaintenanceWindowsRequest,
+                                     context: Context) -> pb.ListMaintenanceWindowsResponse:
+        records = self.scheduler.windows.records
+        return pb.ListMaintenanceWindowsResponse(
+            windows=[window_to_proto(records[n]) for n in sorted(records)])
 
     async def ListQueue(self, request: pb.ListQueueRequest,
                         context: Context) -> pb.ListQueueResponse:

@@ -42,6 +42,7 @@ from m27.scheduler._state import (
     policy_settings,
     queue_of,
 )
+from m27.scheduler._window_shell import Windows
 from m27.scheduler.model import ClusterState, PolicySettings, Queued
 
 log = get_logger()
@@ -69,6 +70,7 @@ class Scheduler:
         self.lost: set[str] = set()
         #: node → the platform differences last reported for it (NodePlatformDiffers)
         self.platform_said: dict[str, tuple[str, ...]] = {}
+        self.windows = Windows(bus, lambda: self.maintenance, self.tasks_on)
         self.wake = asyncio.Event()
         # Handlers and decisions interleave at every await; one at a time keeps the task
         # table consistent with what was published.
@@ -79,6 +81,7 @@ class Scheduler:
         self.nodes, self.seen, self.maintenance = {}, {}, {}
         self.lost.clear()
         self.platform_said.clear()
+        self.windows.records.clear()
         self.table.entries.clear()
 
     @property
@@ -92,8 +95,9 @@ class Scheduler:
             if got is not None:
                 self.entries[got[0].task.task_id] = got[0]
         await self.refresh_nodes()
+        await self.windows.load()
         log.info("scheduler.loaded", tasks=len(self.entries), nodes=len(self.nodes),
-                 maintenance=len(self.maintenance))
+                 maintenance=len(self.maintenance), windows=len(self.windows.records))
 
     async def refresh_nodes(self) -> None:
         seen: dict[str, NodeInfo] = {}
@@ -159,7 +163,18 @@ class Scheduler:
             self.wake.set()
 
     async def on_node_event(self, msg: Msg) -> None:
-        """A node registered or stopped: look again now rather than at the next refresh."""
+        """A node registered or stopped: look again now rather than at the next refresh. A
+        maintenance command's answer moves its window on (from that node's own subject)."""
+        try:
+            event = events.decode_event(msg.data)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            event = None
+        if isinstance(event, events.MaintenanceCommandDone):
+            if msg.subject == subjects.node_events(event.node_id):
+                async with self.lock:
+                    await self.windows.command_done(event, time.time())
+                self.wake.set()
+            return
         await self.refresh_nodes()
 
     async def on_command(self, msg: Msg) -> None:
@@ -266,11 +281,13 @@ class Scheduler:
 
     def snapshot(self, now: float) -> tuple[ClusterState, list[Queued]]:
         """What the policy sees now."""
-        return (cluster_state(self._views(), self.maintenance, self.entries.values()),
+        return (cluster_state(self._views(), self.maintenance, self.entries.values(),
+                              self.windows.near(now)),
                 queue_of(self.entries.values(), now))
 
     async def run_once(self, now: float) -> None:
         await self._declare_lost_nodes(now)
+        await self.windows.tick(now)
         await self._report_platforms(now)
         await self.effects.resend_starts(self.nodes, {view.info.node_id for view in
                                                       self._views() if view.alive}, now)

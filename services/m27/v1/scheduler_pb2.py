@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16m27/v1/scheduler.proto\x12\x06m27.v1\"L\n\x19SetNodeMaintenanceRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0e\n\x06\x61\x63tion\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\"_\n\x0fNodeMaintenance\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\r\n\x05state\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\r\n\x05since\x18\x04 \x01(\x01\x12\r\n\x05tasks\x18\x05 \x01(\x05\"\x1c\n\x1aListNodeMaintenanceRequest\"E\n\x1bListNodeMaintenanceResponse\x12&\n\x05nodes\x18\x01 \x03(\x0b\x32\x17.m27.v1.NodeMaintenance\"#\n\x10ListQueueRequest\x12\x0f\n\x07\x65xplain\x18\x01 \x01(\x08\"\xff\x02\n\nQueueEntry\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\x0c\n\x04step\x18\x03 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x04 \x01(\x05\x12\x0f\n\x07urgency\x18\x05 \x01(\t\x12\x0c\n\x04user\x18\x06 \x01(\t\x12\x0c\n\x04gpus\x18\x07 \x01(\x01\x12\x0c\n\x04\x63pus\x18\x08 \x01(\x05\x12\r\n\x05state\x18\t \x01(\t\x12\x0f\n\x07node_id\x18\n \x01(\t\x12\x11\n\tqueued_at\x18\x0b \x01(\x01\x12\x0e\n\x06reason\x18\x0c \x01(\t\x12\r\n\x05score\x18\r \x01(\x01\x12\x18\n\x10\x65xplanation_json\x18\x0e \x01(\t\x12\x0e\n\x06lender\x18\x0f \x01(\t\x12\x11\n\tstaged_on\x18\x10 \x03(\t\x12\x0c\n\x04tier\x18\x11 \x01(\t\x12\x12\n\nstaging_on\x18\x12 \x03(\t\x12\x13\n\x0bpreemptions\x18\x13 \x01(\x05\x12\x1d\n\x15\x66ruitless_preemptions\x18\x14 \x01(\x05\x12\x11\n\tprotected\x18\x15 \x01(\t\"C\n\x11ListQueueResponse\x12!\n\x05tasks\x18\x01 \x03(\x0b\x32\x12.m27.v1.QueueEntry\x12\x0b\n\x03now\x18\x02 \x01(\x01\x32\x86\x02\n\x10SchedulerService\x12P\n\x12SetNodeMaintenance\x12!.m27.v1.SetNodeMaintenanceRequest\x1a\x17.m27.v1.NodeMaintenance\x12^\n\x13ListNodeMaintenance\x12\".m27.v1.ListNodeMaintenanceRequest\x1a#.m27.v1.ListNodeMaintenanceResponse\x12@\n\tListQueue\x12\x18.m27.v1.ListQueueRequest\x1a\x19.m27.v1.ListQueueResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16m27/v1/scheduler.proto\x12\x06m27.v1\"L\n\x19SetNodeMaintenanceRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0e\n\x06\x61\x63tion\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\"_\n\x0fNodeMaintenance\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\r\n\x05state\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\r\n\x05since\x18\x04 \x01(\x01\x12\r\n\x05tasks\x18\x05 \x01(\x05\"\x1c\n\x1aListNodeMaintenanceRequest\"E\n\x1bListNodeMaintenanceResponse\x12&\n\x05nodes\x18\x01 \x03(\x0b\x32\x17.m27.v1.NodeMaintenance\"\xbf\x01\n\x1bSetMaintenanceWindowRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\n\n\x02\x61t\x18\x02 \x01(\t\x12\n\n\x02tz\x18\x03 \x01(\t\x12\r\n\x05\x65very\x18\x04 \x01(\t\x12\x11\n\tfirst_day\x18\x05 \x01(\t\x12\x0f\n\x07\x63ommand\x18\x06 \x01(\t\x12\x13\n\x06lead_s\x18\x07 \x01(\x01H\x00\x88\x01\x01\x12\x16\n\ttimeout_s\x18\x08 \x01(\x01H\x01\x88\x01\x01\x42\t\n\x07_lead_sB\x0c\n\n_timeout_s\"0\n\x1d\x43learMaintenanceWindowRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\"\xf6\x01\n\x11MaintenanceWindow\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\n\n\x02\x61t\x18\x02 \x01(\t\x12\n\n\x02tz\x18\x03 \x01(\t\x12\r\n\x05\x65very\x18\x04 \x01(\t\x12\x11\n\tfirst_day\x18\x05 \x01(\t\x12\x0f\n\x07\x63ommand\x18\x06 \x01(\t\x12\x0e\n\x06lead_s\x18\x07 \x01(\x01\x12\x11\n\ttimeout_s\x18\x08 \x01(\x01\x12\x0f\n\x07next_at\x18\t \x01(\x01\x12\r\n\x05phase\x18\n \x01(\t\x12\x12\n\noccurrence\x18\x0b \x01(\x01\x12\x0c\n\x04runs\x18\x0c \x01(\x05\x12\x0c\n\x04last\x18\r \x01(\t\x12\x12\n\ncreated_by\x18\x0e \x01(\t\"\x1f\n\x1dListMaintenanceWindowsRequest\"L\n\x1eListMaintenanceWindowsResponse\x12*\n\x07windows\x18\x01 \x03(\x0b\x32\x19.m27.v1.MaintenanceWindow\"#\n\x10ListQueueRequest\x12\x0f\n\x07\x65xplain\x18\x01 \x01(\x08\"\xff\x02\n\nQueueEntry\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\x0c\n\x04step\x18\x03 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x04 \x01(\x05\x12\x0f\n\x07urgency\x18\x05 \x01(\t\x12\x0c\n\x04user\x18\x06 \x01(\t\x12\x0c\n\x04gpus\x18\x07 \x01(\x01\x12\x0c\n\x04\x63pus\x18\x08 \x01(\x05\x12\r\n\x05state\x18\t \x01(\t\x12\x0f\n\x07node_id\x18\n \x01(\t\x12\x11\n\tqueued_at\x18\x0b \x01(\x01\x12\x0e\n\x06reason\x18\x0c \x01(\t\x12\r\n\x05score\x18\r \x01(\x01\x12\x18\n\x10\x65xplanation_json\x18\x0e \x01(\t\x12\x0e\n\x06lender\x18\x0f \x01(\t\x12\x11\n\tstaged_on\x18\x10 \x03(\t\x12\x0c\n\x04tier\x18\x11 \x01(\t\x12\x12\n\nstaging_on\x18\x12 \x03(\t\x12\x13\n\x0bpreemptions\x18\x13 \x01(\x05\x12\x1d\n\x15\x66ruitless_preemptions\x18\x14 \x01(\x05\x12\x11\n\tprotected\x18\x15 \x01(\t\"C\n\x11ListQueueResponse\x12!\n\x05tasks\x18\x01 \x03(\x0b\x32\x12.m27.v1.QueueEntry\x12\x0b\n\x03now\x18\x02 \x01(\x01\x32\xa3\x04\n\x10SchedulerService\x12P\n\x12SetNodeMaintenance\x12!.m27.v1.SetNodeMaintenanceRequest\x1a\x17.m27.v1.NodeMaintenance\x12^\n\x13ListNodeMaintenance\x12\".m27.v1.ListNodeMaintenanceRequest\x1a#.m27.v1.ListNodeMaintenanceResponse\x12V\n\x14SetMaintenanceWindow\x12#.m27.v1.SetMaintenanceWindowRequest\x1a\x19.m27.v1.MaintenanceWindow\x12Z\n\x16\x43learMaintenanceWindow\x12%.m27.v1.ClearMaintenanceWindowRequest\x1a\x19.m27.v1.MaintenanceWindow\x12g\n\x16ListMaintenanceWindows\x12%.m27.v1.ListMaintenanceWindowsRequest\x1a&.m27.v1.ListMaintenanceWindowsResponse\x12@\n\tListQueue\x12\x18.m27.v1.ListQueueRequest\x1a\x19.m27.v1.ListQueueResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,12 +39,22 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LISTNODEMAINTENANCEREQUEST']._serialized_end=237
   _globals['_LISTNODEMAINTENANCERESPONSE']._serialized_start=239
   _globals['_LISTNODEMAINTENANCERESPONSE']._serialized_end=308
-  _globals['_LISTQUEUEREQUEST']._serialized_start=310
-  _globals['_LISTQUEUEREQUEST']._serialized_end=345
-  _globals['_QUEUEENTRY']._serialized_start=348
-  _globals['_QUEUEENTRY']._serialized_end=731
-  _globals['_LISTQUEUERESPONSE']._serialized_start=733
-  _globals['_LISTQUEUERESPONSE']._serialized_end=800
-  _globals['_SCHEDULERSERVICE']._serialized_start=803
-  _globals['_SCHEDULERSERVICE']._serialized_end=1065
+  _globals['_SETMAINTENANCEWINDOWREQUEST']._serialized_start=311
+  _globals['_SETMAINTENANCEWINDOWREQUEST']._serialized_end=502
+  _globals['_CLEARMAINTENANCEWINDOWREQUEST']._serialized_start=504
+  _globals['_CLEARMAINTENANCEWINDOWREQUEST']._serialized_end=552
+  _globals['_MAINTENANCEWINDOW']._serialized_start=555
+  _globals['_MAINTENANCEWINDOW']._serialized_end=801
+  _globals['_LISTMAINTENANCEWINDOWSREQUEST']._serialized_start=803
+  _globals['_LISTMAINTENANCEWINDOWSREQUEST']._serialized_end=834
+  _globals['_LISTMAINTENANCEWINDOWSRESPONSE']._serialized_start=836
+  _globals['_LISTMAINTENANCEWINDOWSRESPONSE']._serialized_end=912
+  _globals['_LISTQUEUEREQUEST']._serialized_start=914
+  _globals['_LISTQUEUEREQUEST']._serialized_end=949
+  _globals['_QUEUEENTRY']._serialized_start=952
+  _globals['_QUEUEENTRY']._serialized_end=1335
+  _globals['_LISTQUEUERESPONSE']._serialized_start=1337
+  _globals['_LISTQUEUERESPONSE']._serialized_end=1404
+  _globals['_SCHEDULERSERVICE']._serialized_start=1407
+  _globals['_SCHEDULERSERVICE']._serialized_end=1954
 # @@protoc_insertion_point(module_scope)

@@ -118,6 +118,176 @@ class ListNodeMaintenanceResponse(_message.Message):
 Global___ListNodeMaintenanceResponse: _TypeAlias = ListNodeMaintenanceResponse  # noqa: Y015
 
 @_typing.final
+class SetMaintenanceWindowRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NODE_ID_FIELD_NUMBER: _builtins.int
+    AT_FIELD_NUMBER: _builtins.int
+    TZ_FIELD_NUMBER: _builtins.int
+    EVERY_FIELD_NUMBER: _builtins.int
+    FIRST_DAY_FIELD_NUMBER: _builtins.int
+    COMMAND_FIELD_NUMBER: _builtins.int
+    LEAD_S_FIELD_NUMBER: _builtins.int
+    TIMEOUT_S_FIELD_NUMBER: _builtins.int
+    node_id: _builtins.str
+    at: _builtins.str
+    """HH:MM (or HH:MM:SS), wall-clock time in tz"""
+    tz: _builtins.str
+    """An IANA time zone name; empty: UTC"""
+    every: _builtins.str
+    """once (default), day or week"""
+    first_day: _builtins.str
+    """YYYY-MM-DD of the first occurrence; empty: the next `at`"""
+    command: _builtins.str
+    """Run by the node's agent through /bin/sh; empty: drain and return the node only"""
+    lead_s: _builtins.float
+    """Before the window, how long work that would be cut short is kept off (default 2 h)"""
+    timeout_s: _builtins.float
+    """The command's time limit (default 10 min)"""
+    def __init__(
+        self,
+        *,
+        node_id: _builtins.str = ...,
+        at: _builtins.str = ...,
+        tz: _builtins.str = ...,
+        every: _builtins.str = ...,
+        first_day: _builtins.str = ...,
+        command: _builtins.str = ...,
+        lead_s: _builtins.float | None = ...,
+        timeout_s: _builtins.float | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_lead_s", b"_lead_s", "_timeout_s", b"_timeout_s", "lead_s", b"lead_s", "timeout_s", b"timeout_s"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_lead_s", b"_lead_s", "_timeout_s", b"_timeout_s", "at", b"at", "command", b"command", "every", b"every", "first_day", b"first_day", "lead_s", b"lead_s", "node_id", b"node_id", "timeout_s", b"timeout_s", "tz", b"tz"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__lead_s: _TypeAlias = _typing.Literal["lead_s"]  # noqa: Y015
+    _WhichOneofArgType__lead_s: _TypeAlias = _typing.Literal["_lead_s", b"_lead_s"]  # noqa: Y015
+    _WhichOneofReturnType__timeout_s: _TypeAlias = _typing.Literal["timeout_s"]  # noqa: Y015
+    _WhichOneofArgType__timeout_s: _TypeAlias = _typing.Literal["_timeout_s", b"_timeout_s"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__lead_s) -> _WhichOneofReturnType__lead_s | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__timeout_s) -> _WhichOneofReturnType__timeout_s | None: ...
+
+Global___SetMaintenanceWindowRequest: _TypeAlias = SetMaintenanceWindowRequest  # noqa: Y015
+
+@_typing.final
+class ClearMaintenanceWindowRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NODE_ID_FIELD_NUMBER: _builtins.int
+    node_id: _builtins.str
+    def __init__(
+        self,
+        *,
+        node_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["node_id", b"node_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ClearMaintenanceWindowRequest: _TypeAlias = ClearMaintenanceWindowRequest  # noqa: Y015
+
+@_typing.final
+class MaintenanceWindow(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NODE_ID_FIELD_NUMBER: _builtins.int
+    AT_FIELD_NUMBER: _builtins.int
+    TZ_FIELD_NUMBER: _builtins.int
+    EVERY_FIELD_NUMBER: _builtins.int
+    FIRST_DAY_FIELD_NUMBER: _builtins.int
+    COMMAND_FIELD_NUMBER: _builtins.int
+    LEAD_S_FIELD_NUMBER: _builtins.int
+    TIMEOUT_S_FIELD_NUMBER: _builtins.int
+    NEXT_AT_FIELD_NUMBER: _builtins.int
+    PHASE_FIELD_NUMBER: _builtins.int
+    OCCURRENCE_FIELD_NUMBER: _builtins.int
+    RUNS_FIELD_NUMBER: _builtins.int
+    LAST_FIELD_NUMBER: _builtins.int
+    CREATED_BY_FIELD_NUMBER: _builtins.int
+    node_id: _builtins.str
+    at: _builtins.str
+    tz: _builtins.str
+    every: _builtins.str
+    first_day: _builtins.str
+    command: _builtins.str
+    lead_s: _builtins.float
+    timeout_s: _builtins.float
+    next_at: _builtins.float
+    """The next occurrence's start (unix seconds); 0: none left"""
+    phase: _builtins.str
+    """scheduled, draining or running"""
+    occurrence: _builtins.float
+    """The occurrence in progress (draining, running)"""
+    runs: _builtins.int
+    last: _builtins.str
+    """How the last occurrence ended: "succeeded" or "failed: why" """
+    created_by: _builtins.str
+    def __init__(
+        self,
+        *,
+        node_id: _builtins.str = ...,
+        at: _builtins.str = ...,
+        tz: _builtins.str = ...,
+        every: _builtins.str = ...,
+        first_day: _builtins.str = ...,
+        command: _builtins.str = ...,
+        lead_s: _builtins.float = ...,
+        timeout_s: _builtins.float = ...,
+        next_at: _builtins.float = ...,
+        phase: _builtins.str = ...,
+        occurrence: _builtins.float = ...,
+        runs: _builtins.int = ...,
+        last: _builtins.str = ...,
+        created_by: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["at", b"at", "command", b"command", "created_by", b"created_by", "every", b"every", "first_day", b"first_day", "last", b"last", "lead_s", b"lead_s", "next_at", b"next_at", "node_id", b"node_id", "occurrence", b"occurrence", "phase", b"phase", "runs", b"runs", "timeout_s", b"timeout_s", "tz", b"tz"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___MaintenanceWindow: _TypeAlias = MaintenanceWindow  # noqa: Y015
+
+@_typing.final
+class ListMaintenanceWindowsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListMaintenanceWindowsRequest: _TypeAlias = ListMaintenanceWindowsRequest  # noqa: Y015
+
+@_typing.final
+class ListMaintenanceWindowsResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    WINDOWS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def windows(self) -> _containers.RepeatedCompositeFieldContainer[Global___MaintenanceWindow]: ...
+    def __init__(
+        self,
+        *,
+        windows: _abc.Iterable[Global___MaintenanceWindow] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["windows", b"windows"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListMaintenanceWindowsResponse: _TypeAlias = ListMaintenanceWindowsResponse  # noqa: Y015
+
+@_typing.final
 class ListQueueRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

@@ -44,6 +44,21 @@ class SchedulerServiceStub:
                 request_serializer=m27_dot_v1_dot_scheduler__pb2.ListNodeMaintenanceRequest.SerializeToString,
                 response_deserializer=m27_dot_v1_dot_scheduler__pb2.ListNodeMaintenanceResponse.FromString,
                 _registered_method=True)
+        self.SetMaintenanceWindow = channel.unary_unary(
+                '/m27.v1.SchedulerService/SetMaintenanceWindow',
+                request_serializer=m27_dot_v1_dot_scheduler__pb2.SetMaintenanceWindowRequest.SerializeToString,
+                response_deserializer=m27_dot_v1_dot_scheduler__pb2.MaintenanceWindow.FromString,
+                _registered_method=True)
+        self.ClearMaintenanceWindow = channel.unary_unary(
+                '/m27.v1.SchedulerService/ClearMaintenanceWindow',
+                request_serializer=m27_dot_v1_dot_scheduler__pb2.ClearMaintenanceWindowRequest.SerializeToString,
+                response_deserializer=m27_dot_v1_dot_scheduler__pb2.MaintenanceWindow.FromString,
+                _registered_method=True)
+        self.ListMaintenanceWindows = channel.unary_unary(
+                '/m27.v1.SchedulerService/ListMaintenanceWindows',
+                request_serializer=m27_dot_v1_dot_scheduler__pb2.ListMaintenanceWindowsRequest.SerializeToString,
+                response_deserializer=m27_dot_v1_dot_scheduler__pb2.ListMaintenanceWindowsResponse.FromString,
+                _registered_method=True)
         self.ListQueue = channel.unary_unary(
                 '/m27.v1.SchedulerService/ListQueue',
                 request_serializer=m27_dot_v1_dot_scheduler__pb2.ListQueueRequest.SerializeToString,
@@ -69,6 +84,33 @@ class SchedulerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SetMaintenanceWindow(self, request, context):
+        """A node's maintenance window (one per node; setting it replaces the node's): at a time of
+        day in a time zone, once or every day or week. Within its lead, work that would not end
+        or checkpoint before it is placed elsewhere; at its start the node is cordoned and
+        evacuated (checkpointing work checkpoints and moves, the rest is stopped and runs again
+        elsewhere); once empty, its node-agent runs the command; when that succeeds the node
+        takes work again, when it fails the node stays cordoned. Each phase is a
+        `node_maintenance_window` event. NOT_FOUND for an unknown node, INVALID_ARGUMENT for a
+        window that cannot be (the message names the field).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ClearMaintenanceWindow(self, request, context):
+        """Removes the node's window (NOT_FOUND if it has none); one in progress is not stopped.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListMaintenanceWindows(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ListQueue(self, request, context):
         """Every task the scheduler holds: waiting ones in policy order, then running ones.
         """
@@ -88,6 +130,21 @@ def add_SchedulerServiceServicer_to_server(servicer, server):
                     servicer.ListNodeMaintenance,
                     request_deserializer=m27_dot_v1_dot_scheduler__pb2.ListNodeMaintenanceRequest.FromString,
                     response_serializer=m27_dot_v1_dot_scheduler__pb2.ListNodeMaintenanceResponse.SerializeToString,
+            ),
+            'SetMaintenanceWindow': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetMaintenanceWindow,
+                    request_deserializer=m27_dot_v1_dot_scheduler__pb2.SetMaintenanceWindowRequest.FromString,
+                    response_serializer=m27_dot_v1_dot_scheduler__pb2.MaintenanceWindow.SerializeToString,
+            ),
+            'ClearMaintenanceWindow': grpc.unary_unary_rpc_method_handler(
+                    servicer.ClearMaintenanceWindow,
+                    request_deserializer=m27_dot_v1_dot_scheduler__pb2.ClearMaintenanceWindowRequest.FromString,
+                    response_serializer=m27_dot_v1_dot_scheduler__pb2.MaintenanceWindow.SerializeToString,
+            ),
+            'ListMaintenanceWindows': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListMaintenanceWindows,
+                    request_deserializer=m27_dot_v1_dot_scheduler__pb2.ListMaintenanceWindowsRequest.FromString,
+                    response_serializer=m27_dot_v1_dot_scheduler__pb2.ListMaintenanceWindowsResponse.SerializeToString,
             ),
             'ListQueue': grpc.unary_unary_rpc_method_handler(
                     servicer.ListQueue,
@@ -149,6 +206,87 @@ class SchedulerService:
             '/m27.v1.SchedulerService/ListNodeMaintenance',
             m27_dot_v1_dot_scheduler__pb2.ListNodeMaintenanceRequest.SerializeToString,
             m27_dot_v1_dot_scheduler__pb2.ListNodeMaintenanceResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetMaintenanceWindow(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/m27.v1.SchedulerService/SetMaintenanceWindow',
+            m27_dot_v1_dot_scheduler__pb2.SetMaintenanceWindowRequest.SerializeToString,
+            m27_dot_v1_dot_scheduler__pb2.MaintenanceWindow.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ClearMaintenanceWindow(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/m27.v1.SchedulerService/ClearMaintenanceWindow',
+            m27_dot_v1_dot_scheduler__pb2.ClearMaintenanceWindowRequest.SerializeToString,
+            m27_dot_v1_dot_scheduler__pb2.MaintenanceWindow.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListMaintenanceWindows(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/m27.v1.SchedulerService/ListMaintenanceWindows',
+            m27_dot_v1_dot_scheduler__pb2.ListMaintenanceWindowsRequest.SerializeToString,
+            m27_dot_v1_dot_scheduler__pb2.ListMaintenanceWindowsResponse.FromString,
             options,
             channel_credentials,
             insecure,

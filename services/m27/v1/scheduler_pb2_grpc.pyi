@@ -42,6 +42,19 @@ class SchedulerServiceStub:
     unknown node, INVALID_ARGUMENT for an unknown action.
     """
     ListNodeMaintenance: _grpc.UnaryUnaryMultiCallable[_scheduler_pb2.ListNodeMaintenanceRequest, _scheduler_pb2.ListNodeMaintenanceResponse]
+    SetMaintenanceWindow: _grpc.UnaryUnaryMultiCallable[_scheduler_pb2.SetMaintenanceWindowRequest, _scheduler_pb2.MaintenanceWindow]
+    """A node's maintenance window (one per node; setting it replaces the node's): at a time of
+    day in a time zone, once or every day or week. Within its lead, work that would not end
+    or checkpoint before it is placed elsewhere; at its start the node is cordoned and
+    evacuated (checkpointing work checkpoints and moves, the rest is stopped and runs again
+    elsewhere); once empty, its node-agent runs the command; when that succeeds the node
+    takes work again, when it fails the node stays cordoned. Each phase is a
+    `node_maintenance_window` event. NOT_FOUND for an unknown node, INVALID_ARGUMENT for a
+    window that cannot be (the message names the field).
+    """
+    ClearMaintenanceWindow: _grpc.UnaryUnaryMultiCallable[_scheduler_pb2.ClearMaintenanceWindowRequest, _scheduler_pb2.MaintenanceWindow]
+    """Removes the node's window (NOT_FOUND if it has none); one in progress is not stopped."""
+    ListMaintenanceWindows: _grpc.UnaryUnaryMultiCallable[_scheduler_pb2.ListMaintenanceWindowsRequest, _scheduler_pb2.ListMaintenanceWindowsResponse]
     ListQueue: _grpc.UnaryUnaryMultiCallable[_scheduler_pb2.ListQueueRequest, _scheduler_pb2.ListQueueResponse]
     """Every task the scheduler holds: waiting ones in policy order, then running ones."""
 
@@ -54,6 +67,19 @@ class SchedulerServiceAsyncStub(SchedulerServiceStub):
     unknown node, INVALID_ARGUMENT for an unknown action.
     """
     ListNodeMaintenance: _aio.UnaryUnaryMultiCallable[_scheduler_pb2.ListNodeMaintenanceRequest, _scheduler_pb2.ListNodeMaintenanceResponse]  # type: ignore[assignment]
+    SetMaintenanceWindow: _aio.UnaryUnaryMultiCallable[_scheduler_pb2.SetMaintenanceWindowRequest, _scheduler_pb2.MaintenanceWindow]  # type: ignore[assignment]
+    """A node's maintenance window (one per node; setting it replaces the node's): at a time of
+    day in a time zone, once or every day or week. Within its lead, work that would not end
+    or checkpoint before it is placed elsewhere; at its start the node is cordoned and
+    evacuated (checkpointing work checkpoints and moves, the rest is stopped and runs again
+    elsewhere); once empty, its node-agent runs the command; when that succeeds the node
+    takes work again, when it fails the node stays cordoned. Each phase is a
+    `node_maintenance_window` event. NOT_FOUND for an unknown node, INVALID_ARGUMENT for a
+    window that cannot be (the message names the field).
+    """
+    ClearMaintenanceWindow: _aio.UnaryUnaryMultiCallable[_scheduler_pb2.ClearMaintenanceWindowRequest, _scheduler_pb2.MaintenanceWindow]  # type: ignore[assignment]
+    """Removes the node's window (NOT_FOUND if it has none); one in progress is not stopped."""
+    ListMaintenanceWindows: _aio.UnaryUnaryMultiCallable[_scheduler_pb2.ListMaintenanceWindowsRequest, _scheduler_pb2.ListMaintenanceWindowsResponse]  # type: ignore[assignment]
     ListQueue: _aio.UnaryUnaryMultiCallable[_scheduler_pb2.ListQueueRequest, _scheduler_pb2.ListQueueResponse]  # type: ignore[assignment]
     """Every task the scheduler holds: waiting ones in policy order, then running ones."""
 
@@ -75,6 +101,37 @@ class SchedulerServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _scheduler_pb2.ListNodeMaintenanceRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_scheduler_pb2.ListNodeMaintenanceResponse, _abc.Awaitable[_scheduler_pb2.ListNodeMaintenanceResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def SetMaintenanceWindow(
+        self,
+        request: _scheduler_pb2.SetMaintenanceWindowRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_scheduler_pb2.MaintenanceWindow, _abc.Awaitable[_scheduler_pb2.MaintenanceWindow]]:
+        """A node's maintenance window (one per node; setting it replaces the node's): at a time of
+        day in a time zone, once or every day or week. Within its lead, work that would not end
+        or checkpoint before it is placed elsewhere; at its start the node is cordoned and
+        evacuated (checkpointing work checkpoints and moves, the rest is stopped and runs again
+        elsewhere); once empty, its node-agent runs the command; when that succeeds the node
+        takes work again, when it fails the node stays cordoned. Each phase is a
+        `node_maintenance_window` event. NOT_FOUND for an unknown node, INVALID_ARGUMENT for a
+        window that cannot be (the message names the field).
+        """
+
+    @_abc_1.abstractmethod
+    def ClearMaintenanceWindow(
+        self,
+        request: _scheduler_pb2.ClearMaintenanceWindowRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_scheduler_pb2.MaintenanceWindow, _abc.Awaitable[_scheduler_pb2.MaintenanceWindow]]:
+        """Removes the node's window (NOT_FOUND if it has none); one in progress is not stopped."""
+
+    @_abc_1.abstractmethod
+    def ListMaintenanceWindows(
+        self,
+        request: _scheduler_pb2.ListMaintenanceWindowsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_scheduler_pb2.ListMaintenanceWindowsResponse, _abc.Awaitable[_scheduler_pb2.ListMaintenanceWindowsResponse]]: ...
 
     @_abc_1.abstractmethod
     def ListQueue(
