@@ -23,7 +23,7 @@ import msgspec
 
 NoticeKind = Literal["run_succeeded", "run_failed", "run_cancelled", "training_anomaly",
                      "node_lost", "task_waiting", "gpu_hot", "gpu_memory_leak",
-                     "node_platform"]
+                     "node_platform", "node_maintenance"]
 NOTICE_KINDS: Final[tuple[NoticeKind, ...]] = get_args(NoticeKind)
 RUN_ENDS: Final[tuple[NoticeKind, ...]] = ("run_succeeded", "run_failed", "run_cancelled")
 #: Names that stand for several kinds.
@@ -31,10 +31,12 @@ ALIASES: Final[dict[str, tuple[NoticeKind, ...]]] = {"run_ended": RUN_ENDS,
                                                      "all": NOTICE_KINDS}
 #: What a rule or subscription with no kinds named gets.
 DEFAULT_KINDS: Final[tuple[NoticeKind, ...]] = (*RUN_ENDS, "training_anomaly", "node_lost",
-                                                "gpu_memory_leak", "node_platform")
+                                                "gpu_memory_leak", "node_platform",
+                                                "node_maintenance")
 #: Kinds about the cluster, not one user's run (`matches`).
 CLUSTER_KINDS: Final[frozenset[NoticeKind]] = frozenset({"node_lost", "gpu_hot",
-                                                         "node_platform"})
+                                                         "node_platform",
+                                                         "node_maintenance"})
 
 ChannelKind = Literal["webhook", "email", "telegram"]
 CHANNELS: Final[tuple[ChannelKind, ...]] = get_args(ChannelKind)

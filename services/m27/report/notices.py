@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import time
 from typing import Final
 
 from m27.common import events
@@ -89,6 +90,26 @@ def node_platform(event: events.NodePlatformDiffers) -> Notice:
     return Notice(id=_id("node_platform", event.node_id, *event.differences, repr(event.at)),
                   kind="node_platform", text=_clip(text, MAX_TEXT), at=event.at,
                   node_id=event.node_id, state="differs" if event.differences else "agrees")
+
+
+def maintenance_window(event: events.NodeMaintenanceWindow) -> Notice | None:
+    """How a node's maintenance window ended (its earlier phases are no notice)."""
+    if event.phase not in ("succeeded", "failed"):
+        return None
+    when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(event.occurrence))
+    if event.phase == "succeeded":
+        text = (f"🔧 node {event.node_id}: maintenance window of {when} done, the node "
+                "takes work again")
+    else:
+        output = f"; output: {_clip(event.output_tail.strip(), 300)}" \
+            if event.output_tail.strip() else ""
+        text = (f"⚠ node {event.node_id}: maintenance window of {when} FAILED: "
+                f"{event.detail}{output} — it stays cordoned (`m27 node uncordon "
+                f"{event.node_id}`)")
+    return Notice(id=_id("node_maintenance", event.node_id, repr(event.occurrence),
+                         event.phase),
+                  kind="node_maintenance", text=_clip(text, MAX_TEXT), at=event.at,
+                  node_id=event.node_id, state=event.phase)
 
 
 def memory_leak(event: events.GpuMemoryLeak, run_id: str, user: str) -> Notice:

@@ -203,6 +203,8 @@ class Notifier:
             return notices.node_lost(event), None
         if isinstance(event, events.NodePlatformDiffers):
             return notices.node_platform(event), None
+        if isinstance(event, events.NodeMaintenanceWindow):
+            return notices.maintenance_window(event), None
         if isinstance(event, events.GpuMemoryLeak):
             if subject != subjects.node_events(event.node_id):
                 return None, None

@@ -122,3 +122,20 @@ def test_a_node_whose_driver_differs_is_told_and_so_is_its_return_to_agreement()
     assert "agree with most nodes again" in agrees.text
     assert agrees.id != notice.id
     assert "node_platform" in CLUSTER_KINDS
+
+
+def test_a_maintenance_windows_outcome_is_told_with_the_commands_output() -> None:
+    base = events.NodeMaintenanceWindow(at=20.0, node_id="n2", phase="draining",
+                                        occurrence=1_796_612_400.0, command="reset")
+    assert notices.maintenance_window(base) is None
+    done = notices.maintenance_window(msgspec.structs.replace(base, phase="succeeded"))
+    assert done is not None
+    assert (done.kind, done.state) == ("node_maintenance", "succeeded")
+    assert "takes work again" in done.text
+    failed = notices.maintenance_window(msgspec.structs.replace(
+        base, phase="failed", detail="the command exited with 7", output_tail="busy\n"))
+    assert failed is not None
+    assert "FAILED: the command exited with 7; output: busy" in failed.text
+    assert "m27 node uncordon n2" in failed.text
+    assert failed.id != done.id
+    assert "node_maintenance" in CLUSTER_KINDS
