@@ -106,6 +106,9 @@ class SchedulerSection(msgspec.Struct, frozen=True, kw_only=True):
     # One copy acts, holding a lease it renews (docs/reliability.md, "Safe singletons"): a
     # standby takes over within lease + 2 s after the active copy stops renewing.
     lease: Annotated[float, msgspec.Meta(ge=1.0, le=600.0, extra={_KIND: "duration"})] = 10.0
+    # Maintenance windows, one per line (m27.common.windows.parse_config), e.g.
+    # "gpu-01,gpu-02 03:00 day Europe/Berlin -> nvidia-smi --gpu-reset"; set at start.
+    windows: str = ""
 
 
 class PerformanceSection(msgspec.Struct, frozen=True, kw_only=True):

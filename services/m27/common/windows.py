@@ -26,6 +26,8 @@ from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 import msgspec
 
 from m27.common.errors import InvalidRequest
+from m27.common.ids import is_valid_name
+from m27.common.units import parse_duration
 
 Every = Literal["once", "day", "week"]
 EVERY: Final[tuple[Every, ...]] = ("once", "day", "week")
@@ -125,6 +127,64 @@ def pinned(window: Window, now: float) -> Window:
     assert start is not None  # no first day: there is always a next `at`
     day = dt.datetime.fromtimestamp(start, zone(window.tz)).date()
     return msgspec.structs.replace(window, first_day=day.isoformat())
+
+
+def parse_config(text: str) -> list[Window]:
+    """`[scheduler] windows`, one window per line (a node list shares it):
+
+        NODE[,NODE…] HH:MM once|day|week [ZONE] [on=YYYY-MM-DD] [lead=2h] [timeout=10m] -> COMMAND
+
+    e.g. `gpu-01,gpu-02 03:00 day Europe/Berlin -> nvidia-smi --gpu-reset`. WindowError
+    naming the line for anything else."""
+    found: list[Window] = []
+    for number, raw in enumerate(text.splitlines(), 1):
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        where = f"[scheduler] windows, line {number}"
+        head, arrow, command = line.partition("->")
+        fields = head.split()
+        if not arrow or len(fields) < 3:
+            raise WindowError(f"{where}: expected NODE[,NODE…] HH:MM once|day|week [ZONE] "
+                              "[on=YYYY-MM-DD] [lead=2h] [timeout=10m] -> COMMAND")
+        nodes, at, every, *rest = fields
+        options: dict[str, str] = {"tz": "UTC"}
+        for item in rest:
+            key, sep, value = item.partition("=")
+            if not sep:
+                options["tz"] = item
+            elif key in ("on", "lead", "timeout"):
+                options[key] = value
+            else:
+                raise WindowError(f"{where}: unknown option {key[:40]!r} (on, lead, timeout)")
+        try:
+            lead = parse_duration(options.get("lead", f"{DEFAULT_LEAD_S}"))
+            limit = parse_duration(options.get("timeout", f"{DEFAULT_TIMEOUT_S}"))
+        except ValueError as exc:
+            raise WindowError(f"{where}: {exc}") from exc
+        if every not in EVERY:
+            raise WindowError(f"{where}: {every[:40]!r} is not once, day or week")
+        if every == "once" and "on" not in options:
+            raise WindowError(f"{where}: a once window in the config needs on=YYYY-MM-DD "
+                              "(else every restart would schedule it again)")
+        for node in nodes.split(","):
+            if not is_valid_name(node):
+                raise WindowError(f"{where}: {node[:60]!r} is not a node name")
+            try:
+                found.append(check_window(Window(
+                    node_id=node, at=at, tz=options["tz"],
+                    every=every,  # checked above
+                    first_day=options.get("on", ""), command=command.strip(), lead_s=lead,
+                    timeout_s=limit, created_by="config")))
+            except WindowError as exc:
+                raise WindowError(f"{where}: {exc}") from None
+    return found
+
+
+def same_window(a: Window, b: Window) -> bool:
+    """The same window, whoever set it when."""
+    return msgspec.structs.replace(a, created=0.0, created_by="") == \
+        msgspec.structs.replace(b, created=0.0, created_by="")
 
 
 def blocks(window_in_s: float | None, *, checkpoints: bool, runs_for_s: float | None) -> bool:

@@ -10,7 +10,7 @@ from collections.abc import Callable, MutableMapping
 from m27.common import events, subjects
 from m27.common.bus import Bus
 from m27.common.logging import get_logger
-from m27.common.windows import Window, WindowError, check_window, pinned
+from m27.common.windows import Window, WindowError, check_window, pinned, same_window
 from m27.scheduler._state import Maintenance
 from m27.scheduler._windows import (
     Step,
@@ -61,6 +61,22 @@ class Windows:
         record = scheduled(window, now)
         await self._store(window.node_id, record)
         return record
+
+    async def apply_config(self, configured: list[Window], now: float) -> None:
+        """`[scheduler] windows`: each configured window replaces its node's unless that is
+        the same or in progress (a window set with `m27 node maintain` for another node is
+        left alone)."""
+        for window in configured:
+            current = self.records.get(window.node_id)
+            wanted = pinned(window, now)
+            if current is not None and (current.phase != "scheduled"
+                                        or same_window(current.window, wanted)):
+                continue
+            record = scheduled(wanted, now)
+            if record is not None:
+                log.info("window.configured", node_id=window.node_id, at=window.at,
+                         every=window.every)
+                await self._store(window.node_id, record)
 
     async def clear(self, node_id: str) -> WindowRecord | None:
         record = self.records.get(node_id)

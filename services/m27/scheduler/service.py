@@ -29,6 +29,7 @@ from m27.common.logging import bound_contextvars, get_logger
 from m27.common.metrics import MetricsServer
 from m27.common.model import NodeInfo
 from m27.common.service import ServiceRuntime
+from m27.common.windows import Window, WindowError, parse_config
 from m27.scheduler import api, policy
 from m27.scheduler._apply import Effects, Table
 from m27.scheduler._state import (
@@ -71,6 +72,7 @@ class Scheduler:
         #: node → the platform differences last reported for it (NodePlatformDiffers)
         self.platform_said: dict[str, tuple[str, ...]] = {}
         self.windows = Windows(bus, lambda: self.maintenance, self.tasks_on)
+        self.configured_windows: list[Window] = []  # [scheduler] windows
         self.wake = asyncio.Event()
         # Handlers and decisions interleave at every await; one at a time keeps the task
         # table consistent with what was published.
@@ -96,6 +98,7 @@ class Scheduler:
                 self.entries[got[0].task.task_id] = got[0]
         await self.refresh_nodes()
         await self.windows.load()
+        await self.windows.apply_config(self.configured_windows, time.time())
         log.info("scheduler.loaded", tasks=len(self.entries), nodes=len(self.nodes),
                  maintenance=len(self.maintenance), windows=len(self.windows.records))
 
@@ -437,6 +440,10 @@ async def serve(rt: ServiceRuntime) -> None:
     settings = policy_settings(rt.config)
     scheduler = Scheduler(FencedBus(nats, leadership), rt.config.scheduler.node_timeout,
                           rt.config.scheduler.tick, settings)
+    try:
+        scheduler.configured_windows = parse_config(rt.config.scheduler.windows)
+    except WindowError as exc:
+        raise ConfigError(str(exc)) from None
     await rt.serve_grpc([api.SchedulerServicer(scheduler).register],
                         api.SERVICE_NAMES)
     metrics = await _start_metrics(rt.config.scheduler.metrics_bind, scheduler)

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import datetime as dt
 import math
+import re
 from zoneinfo import ZoneInfo
 
+import msgspec
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -17,7 +19,9 @@ from m27.common.windows import (
     blocks,
     check_window,
     occurrence_after,
+    parse_config,
     pinned,
+    same_window,
 )
 
 BERLIN = ZoneInfo("Europe/Berlin")
@@ -103,3 +107,32 @@ def test_ahead_of_a_window_only_work_that_ends_or_checkpoints_in_time_is_placed(
     assert not blocks(600.0, checkpoints=False, runs_for_s=300.0)
     assert blocks(600.0, checkpoints=False, runs_for_s=900.0)
     assert blocks(600.0, checkpoints=False, runs_for_s=None)  # no limit: it may run on
+
+
+def test_windows_in_the_config_one_per_line_a_node_list_sharing_one() -> None:
+    found = parse_config("""
+        # nightly GPU reset
+        gpu-01,gpu-02 03:00 day Europe/Berlin lead=1h -> nvidia-smi --gpu-reset
+        gpu-03 22:30 once on=2026-12-24 timeout=30m -> apt-get -y upgrade && reboot
+    """)
+    assert [(w.node_id, w.at, w.every, w.tz, w.lead_s, w.command) for w in found[:2]] == [
+        ("gpu-01", "03:00", "day", "Europe/Berlin", 3600.0, "nvidia-smi --gpu-reset"),
+        ("gpu-02", "03:00", "day", "Europe/Berlin", 3600.0, "nvidia-smi --gpu-reset")]
+    assert (found[2].first_day, found[2].timeout_s, found[2].tz) == ("2026-12-24", 1800.0,
+                                                                    "UTC")
+    assert same_window(found[0], msgspec.structs.replace(found[0], created=5.0,
+                                                         created_by="alice"))
+
+
+@pytest.mark.parametrize(("text", "problem"), [
+    ("gpu-01 03:00 day", "line 1: expected NODE"),
+    ("\n\ngpu-01 03:00 hourly -> x", "line 3: 'hourly' is not once, day or week"),
+    ("gpu-01 03:00 once -> x", "needs on=YYYY-MM-DD"),
+    ("gpu-01 03:00 day colour=red -> x", "unknown option 'colour'"),
+    ("gpu-01 03:00 day lead=soon -> x", "expected a duration"),
+    ("gpu-01 03:00 day Mars/Base -> x", "not known"),
+    ("../etc 03:00 day -> x", "not a node name"),
+])
+def test_a_bad_config_line_is_named(text: str, problem: str) -> None:
+    with pytest.raises(WindowError, match=re.escape(problem)):
+        parse_config(text)

@@ -16,6 +16,7 @@ from m27.common.config import Config, SchedulerSection, load_config, parse_map
 from m27.common.errors import ConfigError
 from m27.common.memory_bus import MemoryBus
 from m27.common.model import Fence, GpuInfo, GpuSample, NodeInfo, Resources
+from m27.common.windows import parse_config
 from m27.scheduler import api, policy, service
 from m27.scheduler._apply import FENCE_KEPT_S, Effects, Table
 from m27.scheduler._state import (
@@ -28,6 +29,7 @@ from m27.scheduler._state import (
     policy_settings,
     queue_of,
 )
+from m27.scheduler._window_shell import Windows
 from m27.scheduler.model import (
     Decision,
     Pause,
@@ -469,3 +471,28 @@ def test_an_entry_stored_before_staging_on_several_nodes_still_decodes() -> None
     assert b'"staged_on":"n2"' in old
     entry = msgspec.json.decode(old, type=TaskEntry)
     assert (entry.task.task_id, entry.staging_nodes, entry.staged_nodes) == ("r/b", (), ())
+
+
+async def test_configured_windows_are_set_once_and_one_in_progress_is_left_alone() -> None:
+    bus = MemoryBus()
+    marks: dict[str, Maintenance] = {}
+    windows = Windows(bus, lambda: marks, lambda node: 0)
+    configured = parse_config("n1,n2 03:00 day -> nvidia-smi --gpu-reset")
+    await windows.apply_config(configured, 1_000.0)
+    assert sorted(windows.records) == ["n1", "n2"]
+    first = windows.records["n1"]
+    await windows.apply_config(configured, 2_000.0)  # a restart: the same windows, kept
+    assert windows.records["n1"] is first
+    # at its start the node is emptied (marked evacuate), then the command is sent
+    assert first.next_at is not None
+    await windows.tick(first.next_at)
+    assert marks["n1"].evacuate
+    phases = [windows.records["n1"].phase]
+    await windows.tick(first.next_at + 1)  # nothing runs there: the command goes at once
+    phases.append(windows.records["n1"].phase)
+    assert phases == ["draining", "running"]
+    commands = [m for s, m, _ in bus.published if s == subjects.node_commands("n1")]
+    assert [type(m).__name__ for m in commands] == ["RunMaintenance"]
+    changed = parse_config("n1 04:00 day -> true")
+    await windows.apply_config(changed, first.next_at + 1)
+    assert windows.records["n1"].window.at == "03:00"  # in progress: not replaced
