@@ -14,6 +14,7 @@ plain disk (neither).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import errno
 import os
@@ -23,7 +24,10 @@ import time
 from pathlib import Path
 from typing import Final
 
+from nats.js.api import StreamInfo
+
 from m27.client.scheduler import SchedulerClient
+from m27.common.bus import NatsBus
 from m27.embedded.nats_cluster import NatsCluster
 from m27.embedded.nats_server import NatsServer, pid_alive
 from m27.embedded.processes import ServiceProcess, wait_ready
@@ -116,6 +120,14 @@ def guard_pids(node: str, home: Path) -> list[int]:
         if mine in environ:
             found.append(int(entry))
     return found
+
+
+def _led(info: StreamInfo) -> bool:
+    cluster = info.cluster
+    if cluster is None:  # one server: it answered
+        return True
+    return bool(cluster.leader) and all(p.current and not p.offline
+                                        for p in cluster.replicas or ())
 
 
 def reap(pid: int, timeout: float = 10.0) -> None:
@@ -230,6 +242,25 @@ class Live:
             clustered.restart(self._member(target))
         else:
             self.cluster.nats.start()
+
+    async def jetstream_ready(self, timeout_s: float = 120.0) -> None:
+        """Until JetStream takes writes again: every stream answers with a leader and, on a
+        cluster, every replica current. A member restarted is serving long before that —
+        its streams elect leaders, it catches up, and a second restart meanwhile can leave
+        a stream without a quorum (seed 22 in CI: 11 s without writes) — and that is the
+        time a checkpoint cannot become durable (`checks.outage_windows`)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            with contextlib.suppress(Exception):  # not up yet, or no quorum: look again
+                bus = await NatsBus.open(self.cluster.nats_url, name="chaos-probe",
+                                         timeout=2.0)
+                try:
+                    infos = await bus.js.streams_info()
+                    if infos and all(_led(info) for info in infos):
+                        return
+                finally:
+                    await bus.nc.close()
+            await asyncio.sleep(0.2)
 
     def nats_dead(self) -> list[str]:
         if (clustered := self.clustered) is not None:

@@ -161,6 +161,8 @@ class Schedule:
         await asyncio.sleep(fault.duration_s)
         healed = time.time()
         await asyncio.to_thread(undo)
+        if kind == "nats_restart":  # serving again: JetStream takes writes
+            await live.jetstream_ready()
         return healed, time.time()
 
     async def run(self) -> Outcome:
