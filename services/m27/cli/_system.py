@@ -13,7 +13,7 @@ from urllib.parse import quote
 
 import nats.errors
 
-from m27.cli import _watch
+from m27.cli import _watch, _windows
 from m27.cli._common import Subparsers, add, config, with_client
 from m27.client import Client
 from m27.common import subjects
@@ -175,7 +175,21 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(f"  node {node_id} is {held} (`m27 node uncordon {node_id}` returns it)")
     for line in platform_warnings(args):
         print(line)
+    for line in window_notes(args):
+        print(line)
     return 0 if system.is_up(state) else 1
+
+
+def window_notes(args: argparse.Namespace) -> list[str]:
+    """Maintenance windows under way, near, or whose last run failed (none when the
+    scheduler cannot be reached)."""
+    from m27.cli._queue import with_scheduler
+
+    try:
+        windows = with_scheduler(args, lambda c: c.windows())
+    except M27Error:
+        return []
+    return _windows.status_notes(windows, time.time())
 
 
 def platform_warnings(args: argparse.Namespace) -> list[str]:

@@ -110,6 +110,22 @@ def render_window(window: WindowStatus, now: float, *, cleared: bool = False) ->
     return "; ".join(parts)
 
 
+def status_notes(windows: list[WindowStatus], now: float) -> list[str]:
+    """`m27 status`: windows in progress, starting within their lead, or that failed."""
+    notes = []
+    for window in windows:
+        if window.phase != "scheduled":
+            notes.append(f"  node {window.node_id}: maintenance window {window.phase}")
+        elif window.next_at and window.next_at - now <= window.lead_s:
+            notes.append(f"  node {window.node_id}: maintenance window in "
+                         f"{format_duration(max(0.0, window.next_at - now))} (new work "
+                         "that would be cut short goes elsewhere)")
+        if window.last.startswith("failed"):
+            notes.append(f"  node {window.node_id}: its last maintenance window "
+                         f"{window.last}")
+    return notes
+
+
 def show(windows: list[WindowStatus], args: argparse.Namespace, *,
          cleared: bool = False) -> None:
     if args.json:

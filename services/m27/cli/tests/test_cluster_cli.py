@@ -118,3 +118,24 @@ def test_top_and_nodes_options() -> None:
     top = build_parser().parse_args(["top", "--interval", "500ms", "--once"])
     assert (top.interval, top.once) == ("500ms", True)
     assert build_parser().parse_args(["nodes", "--json"]).json
+
+
+def test_status_names_windows_under_way_near_or_failed() -> None:
+    from m27.cli._windows import render_window, status_notes
+    from m27.client.scheduler import WindowStatus
+
+    base = WindowStatus(node_id="gpu-02", at="03:00", tz="UTC", every="day", first_day="",
+                        command="nvidia-smi --gpu-reset", lead_s=7200.0, timeout_s=600.0,
+                        next_at=10_000.0, phase="scheduled", occurrence=0.0, runs=2,
+                        last="failed: the command exited with 3", created_by="alice")
+    assert status_notes([base], 0.0) == [
+        "  node gpu-02: its last maintenance window failed: the command exited with 3"]
+    near = status_notes([base], 9_000.0)
+    assert near[0].startswith("  node gpu-02: maintenance window in 16m")
+    running = WindowStatus(**{**{f: getattr(base, f) for f in base.__struct_fields__},
+                              "phase": "draining", "last": ""})
+    assert status_notes([running], 0.0) == ["  node gpu-02: maintenance window draining"]
+    line = render_window(base, 0.0)
+    assert line.startswith("gpu-02: every day at 03:00 UTC; next ")
+    assert "command: nvidia-smi --gpu-reset; lead 2h00m, limit 10m00s" in line
+    assert line.endswith("last: failed: the command exited with 3; 2 run(s)")
