@@ -18,10 +18,12 @@ from rich.progress import TaskID
 from m27.cli._common import Subparsers, add
 from m27.cli._live import progress
 from m27.common.errors import M27Error
+from m27.common.units import parse_duration
 from m27.sim import (
     POLICY_HELP,
     POLICY_NAMES,
     LabParams,
+    MaintenanceSim,
     Metrics,
     RawRun,
     SimConfig,
@@ -98,6 +100,18 @@ def add_commands(sub: Subparsers) -> None:
                         help="Philly: first submission day to replay (default: the first)")
     parser.add_argument("--days", type=float, metavar="D",
                         help="Philly: replay D days of submissions (default: all)")
+    parser.add_argument("--maintenance", choices=("none", "cron", "window"), default="none",
+                        help="a nightly reset of every node: cron kills what runs then (a "
+                        "crontab line); window is m27's maintenance window (keeps work that "
+                        "would be cut short away for --maintenance-lead, empties each node, "
+                        "then resets it). Default none")
+    parser.add_argument("--maintenance-at", default="03:00", metavar="HH:MM",
+                        help="when the nightly reset starts, on the trace's clock (03:00)")
+    parser.add_argument("--maintenance-s", type=float, default=120.0, metavar="S",
+                        help="how long a node's reset takes (default 120 s)")
+    parser.add_argument("--maintenance-lead", default="2h", metavar="DURATION",
+                        help="window: how long before it work that would be cut short is "
+                        "kept away (default 2h)")
 
 
 def load(args: argparse.Namespace) -> Trace:
@@ -123,12 +137,29 @@ def policy_names(args: argparse.Namespace) -> list[str]:
     return names
 
 
+def maintenance_of(args: argparse.Namespace) -> MaintenanceSim | None:
+    if args.maintenance == "none":
+        return None
+    hour, _, minute = args.maintenance_at.partition(":")
+    if not (hour.isdigit() and minute.isdigit() and int(hour) < 24 and int(minute) < 60):
+        raise M27Error(f"--maintenance-at {args.maintenance_at[:40]!r}: expected HH:MM")
+    if not 0 <= args.maintenance_s <= 86400:
+        raise M27Error("--maintenance-s: between 0 and 86400")
+    try:
+        lead = parse_duration(args.maintenance_lead)
+    except ValueError as exc:
+        raise M27Error(f"--maintenance-lead: {exc}") from exc
+    return MaintenanceSim(mode=args.maintenance, at_s=int(hour) * 3600.0 + int(minute) * 60.0,
+                          command_s=args.maintenance_s, lead_s=lead)
+
+
 def run_all(args: argparse.Namespace, trace: Trace) -> list[tuple[Metrics, RawRun]]:
     names = policy_names(args)
     horizon = args.hours * 3600.0 if args.hours is not None else None
     if horizon is not None and horizon <= 0:
         raise M27Error("--hours must be positive")
-    cfg = SimConfig(horizon_s=horizon, seed=args.seed, failure_mtbf_h=args.failure_mtbf_h)
+    cfg = SimConfig(horizon_s=horizon, seed=args.seed, failure_mtbf_h=args.failure_mtbf_h,
+                    maintenance=maintenance_of(args))
     out = []
     with progress(sys.stderr) as bars:
         for name in names:

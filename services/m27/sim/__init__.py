@@ -4,7 +4,7 @@ The same `Policy` callables run here as in the scheduler service. docs/simulator
 """
 
 from m27.sim._baselines import best_fit
-from m27.sim._engine import SimConfig, simulate
+from m27.sim._engine import MaintenanceSim, SimConfig, simulate
 from m27.sim._errors import SimError, TraceError
 from m27.sim._generator import LabParams, generate_lab
 from m27.sim._metrics import (
@@ -34,6 +34,7 @@ __all__ = [
     "POLICY_NAMES",
     "JobOutcome",
     "LabParams",
+    "MaintenanceSim",
     "Metrics",
     "Nights",
     "RawRun",

@@ -29,6 +29,7 @@ from m27.scheduler.model import (
     ClusterState,
     Decision,
     Job,
+    Node,
     Pause,
     Place,
     Policy,
@@ -44,7 +45,21 @@ from m27.sim._metrics import JobOutcome, RawRun, Sample
 from m27.sim._workload import DAY_S, SimJob, Trace, gpu_count, is_night, next_morning
 
 EPS: Final = 1e-6
-Kind = Literal["arrive", "wake", "stop", "fail", "tick"]
+Kind = Literal["arrive", "wake", "stop", "fail", "tick", "maint", "maint_end"]
+NodePhase = Literal["up", "evacuating", "command"]
+
+
+class MaintenanceSim(msgspec.Struct, frozen=True, kw_only=True):
+    """A nightly reset of every node at `at_s` after each midnight of the trace, taking
+    `command_s` per node: `cron` kills what runs then (a crontab line), `window` is
+    m27's maintenance window (keeps work that would be cut short off the nodes for
+    `lead_s` before, empties each node — checkpointing work checkpoints and moves, the
+    rest is stopped — then runs the command; m27.common.windows)."""
+
+    mode: Literal["cron", "window"]
+    at_s: float = 3 * 3600.0
+    command_s: float = 120.0
+    lead_s: float = 7200.0
 
 
 class SimConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -58,6 +73,7 @@ class SimConfig(msgspec.Struct, frozen=True, kw_only=True):
     bucket_s: float = 900.0  # resolution of the utilization-over-time series
     memory_overprovision: float = 1.0
     give_up_s: float = 7 * DAY_S  # nothing running or placed for this long: stop
+    maintenance: MaintenanceSim | None = None
 
 
 @dataclass(slots=True)
@@ -119,6 +135,7 @@ class _Counters:
     held_unseen: float = 0.0
     preemptions: int = 0
     failures: int = 0
+    maintenance_kills: int = 0  # tasks a cron reset killed
     calls: int = 0
     max_gpu_compute: float = 0.0
     rejected: Counter[str] = field(default_factory=Counter)
@@ -153,6 +170,8 @@ class _Sim:
         self.arrivals_left = 0
         self.dirty = True  # something the policy can see changed since its last call
         self.by_id: dict[str, SimJob] = {j.job.task_id: j for j in trace.jobs}
+        self.phase: dict[str, NodePhase] = {n.node_id: "up" for n in trace.nodes}
+        self.next_maintenance = math.inf
         if len(self.by_id) != len(trace.jobs):
             raise SimError(f"trace {trace.name}: task ids are not unique")
         if not trace.nodes:
@@ -170,6 +189,9 @@ class _Sim:
                 self.arrivals_left += 1
         self.jobs_total = self.arrivals_left
         self.push(0.0, "tick")
+        if self.cfg.maintenance is not None:  # at_s is a time of day on the trace's clock
+            self.next_maintenance = (self.cfg.maintenance.at_s - self.trace.clock0_s) % DAY_S
+            self.push(self.next_maintenance, "maint")
         while self.heap:
             at = self.heap[0][0]
             if at > horizon:
@@ -319,6 +341,12 @@ class _Sim:
         if kind == "tick":
             self.push(self.now + self.cfg.tick_s, "tick")
             return
+        if kind == "maint":
+            self.maintain()
+            return
+        if kind == "maint_end":
+            self.phase[task_id] = "up"
+            return
         if kind == "arrive":
             sim = self.by_id[task_id]
             new = _Task(sim=sim, remaining=sim.duration_s, queued_at=self.now)
@@ -368,6 +396,55 @@ class _Sim:
             ttf = self.rng.expovariate(1.0 / (self.cfg.failure_mtbf_h * 3600.0))
             self.push(self.now + ttf, "fail", task.sim.job.task_id, task.attempt)
 
+    # --- maintenance (SimConfig.maintenance) --------------------------------------------
+
+    def maintain(self) -> None:
+        """The nightly reset begins on every node."""
+        cfg = self.cfg.maintenance
+        assert cfg is not None
+        self.next_maintenance = self.now + DAY_S
+        self.push(self.next_maintenance, "maint")
+        for node_id, phase in self.phase.items():
+            if phase != "up":
+                continue  # still in last night's (a node that never emptied)
+            if cfg.mode == "cron":
+                for task in [t for t in self.running.values() if t.node_id == node_id]:
+                    self.c.maintenance_kills += 1
+                    self.stop(task, failed=True)
+                self.phase[node_id] = "command"
+                self.push(self.now + cfg.command_s, "maint_end", node_id)
+            else:
+                self.phase[node_id] = "evacuating"
+                self.command_when_empty(node_id)
+
+    def command_when_empty(self, node_id: str) -> None:
+        cfg = self.cfg.maintenance
+        if cfg is None or self.phase.get(node_id) != "evacuating":
+            return
+        if not any(t.node_id == node_id for t in self.running.values()):
+            self.phase[node_id] = "command"
+            self.push(self.now + cfg.command_s, "maint_end", node_id)
+
+    def nodes(self) -> tuple[Node, ...]:
+        """The nodes as the policy sees them now: in a reset, taking no work (evacuated in
+        window mode); in window mode, within the lead, their window's nearness."""
+        cfg = self.cfg.maintenance
+        if cfg is None:
+            return self.trace.nodes
+        near = self.next_maintenance - self.now
+        window_in_s = near if cfg.mode == "window" and near <= cfg.lead_s else None
+        out = []
+        for node in self.trace.nodes:
+            phase = self.phase[node.node_id]
+            if phase == "up":
+                out.append(node if window_in_s is None else
+                           msgspec.structs.replace(node, window_in_s=max(0.0, window_in_s)))
+            else:
+                out.append(msgspec.structs.replace(
+                    node, schedulable=False, draining=phase == "evacuating",
+                    evacuating=phase == "evacuating"))
+        return tuple(out)
+
     def release(self, task: _Task) -> None:
         task_id = task.sim.job.task_id
         del self.running[task_id]
@@ -375,6 +452,7 @@ class _Sim:
         for other in self.running.values():
             if other.lender == task_id:  # the backfill keeps the capacity it borrowed
                 other.lender, other.view = "", None
+        self.command_when_empty(task.node_id)
 
     def finish(self, task: _Task) -> None:
         self.dirty = True
@@ -405,9 +483,11 @@ class _Sim:
         if not self.dirty:
             return
         self.dirty = False
-        if not self.queue and not any(t.paused or t.lender for t in self.running.values()):
+        evacuating = any(p == "evacuating" for p in self.phase.values())
+        if not self.queue and not evacuating and not any(
+                t.paused or t.lender for t in self.running.values()):
             return
-        state = ClusterState(nodes=self.trace.nodes,
+        state = ClusterState(nodes=self.nodes(),
                              running=tuple(self.view(t) for t in self.running.values()))
         queue = [self.queued(t) for t in self.queue.values()]
         self.c.calls += 1
@@ -517,6 +597,7 @@ class _Sim:
             held_staging_gpu_s=self.c.held_staging, held_io_gpu_s=self.c.held_io,
             held_unseen_gpu_s=self.c.held_unseen,
             preemptions=self.c.preemptions, failures=self.c.failures,
+            maintenance_kills=self.c.maintenance_kills,
             policy_calls=self.c.calls, max_gpu_compute_milli=self.c.max_gpu_compute,
             rejected=dict(self.c.rejected), outcomes=outcomes, samples=samples,
             not_arrived=self.arrivals_left)

@@ -52,6 +52,7 @@ class RawRun(msgspec.Struct, frozen=True, kw_only=True):
     outcomes: tuple[JobOutcome, ...]
     samples: tuple[Sample, ...]
     not_arrived: int = 0
+    maintenance_kills: int = 0  # tasks killed by a cron reset (SimConfig.maintenance)
     #: GPU time held by tasks' own shares (not backfills) while they stage their inputs /
     #: wait on I/O: idle unless a backfill or a co-located task uses it.
     held_staging_gpu_s: float = 0.0
@@ -86,6 +87,7 @@ class Metrics(msgspec.Struct, frozen=True, kw_only=True):
     #: most, most first (at most `MOST_PREEMPTED`): where thrash would show.
     preemptions_by_kind: dict[str, int] = msgspec.field(default_factory=dict)
     most_preempted: tuple[tuple[str, int], ...] = ()
+    maintenance_kills: int = 0  # tasks a cron reset killed (SimConfig.maintenance)
 
 
 MOST_PREEMPTED = 5
@@ -127,7 +129,8 @@ def summarize(raw: RawRun, *, policy: str, trace: str) -> Metrics:
         preemptions_by_kind=_by_kind(raw.outcomes),
         most_preempted=tuple((o.task_id, o.preemptions) for o in sorted(
             (o for o in raw.outcomes if o.preemptions),
-            key=lambda o: (-o.preemptions, o.task_id))[:MOST_PREEMPTED]))
+            key=lambda o: (-o.preemptions, o.task_id))[:MOST_PREEMPTED]),
+        maintenance_kills=raw.maintenance_kills)
 
 
 def _by_kind(outcomes: tuple[JobOutcome, ...]) -> dict[str, int]:

@@ -23,7 +23,16 @@ from m27.scheduler.model import (
     Queued,
     Stage,
 )
-from m27.sim import SimConfig, SimJob, Trace, make_nodes, make_policy, simulate, summarize
+from m27.sim import (
+    MaintenanceSim,
+    SimConfig,
+    SimJob,
+    Trace,
+    make_nodes,
+    make_policy,
+    simulate,
+    summarize,
+)
 from m27.sim._capacity import FreeMap, demand_milli, gpus_needed
 
 
@@ -305,3 +314,41 @@ def test_a_start_on_a_staged_node_copies_only_what_is_not_staged_yet(
     ready = {nodes for at, nodes in policy.seen if at >= 600.0}
     assert ready <= {tuple(stage_on)}
     assert all(not nodes for at, nodes in policy.seen if at < 600.0)
+
+
+# -- maintenance: the lab's cron reset against m27's window (SimConfig.maintenance) ------
+
+THREE_AM = 3 * 3600.0
+
+
+def test_a_cron_reset_kills_what_runs_and_it_starts_over() -> None:
+    trace = Trace(name="t", nodes=make_nodes(1, 1), jobs=(sim_job("long", duration=36_000.0),))
+    cron = MaintenanceSim(mode="cron", at_s=THREE_AM, command_s=120.0)
+    raw = simulate(trace, first_fit, SimConfig(maintenance=cron))
+    out = raw.outcomes[0]
+    assert raw.maintenance_kills == 1
+    assert raw.lost_gpu_s == pytest.approx(THREE_AM)  # no checkpoint: all of it redone
+    assert out.end_s == pytest.approx(THREE_AM + 120.0 + 36_000.0)
+
+
+def test_a_window_keeps_work_that_would_be_cut_short_away_and_loses_nothing() -> None:
+    plain = Trace(name="t", nodes=make_nodes(2, 1), jobs=(sim_job("long", duration=36_000.0),))
+    window = MaintenanceSim(mode="window", at_s=THREE_AM, command_s=120.0, lead_s=4 * 3600.0)
+    raw = simulate(plain, make_policy("m27", plain), SimConfig(maintenance=window))
+    out = raw.outcomes[0]
+    assert (raw.lost_gpu_s, raw.maintenance_kills, raw.preemptions) == (0.0, 0, 0)
+    assert out.first_start_s is not None
+    assert out.first_start_s >= THREE_AM + 120.0  # it waited for the reset, not into it
+
+
+def test_a_window_moves_checkpointing_work_losing_at_most_an_interval() -> None:
+    trace = Trace(name="t", nodes=make_nodes(1, 1),
+                  jobs=(sim_job("ckpt", duration=36_000.0, ckpt=300.0),))
+    window = MaintenanceSim(mode="window", at_s=THREE_AM, command_s=120.0)
+    raw = simulate(trace, Watch(make_policy("m27", trace)), SimConfig(maintenance=window))
+    out = raw.outcomes[0]
+    assert raw.maintenance_kills == 0
+    assert raw.preemptions == 1  # checkpointed and stopped at the window
+    assert raw.lost_gpu_s <= 300.0 + 60.0  # one interval, and the stop's grace
+    assert out.end_s is not None
+    assert out.attempts == 2
