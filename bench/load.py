@@ -46,6 +46,7 @@ import math
 import os
 import platform
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -253,6 +254,19 @@ def usage(pids: Mapping[str, int]) -> dict[str, dict[str, float]]:
         except (OSError, ValueError, IndexError):
             found[name] = {"cpu_s": math.nan, "rss_mib": math.nan, "peak_rss_mib": math.nan}
     return found
+
+
+def exit_status(pid: int) -> str:
+    """How a child of this process that is gone ended — it stays a zombie until reaped,
+    so its status is still there: "killed by SIGKILL", "exit code 1" — or why not known."""
+    try:
+        got, status = os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        return "unknown (reaped already, or not a child of the bench)"
+    if got == 0:
+        return "still running"
+    code = os.waitstatus_to_exitcode(status)
+    return f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
 
 
 # ---------------------------------------------------------------- the system
@@ -613,6 +627,7 @@ async def soak_mode(system: System) -> dict[str, Any]:
               "memory": {n: vars(v) for n, v in verdicts.items()},
               "suspected_leaks": sorted(n for n, v in verdicts.items() if v.suspected_leak),
               "died": soak.died()}
+    result["exits"] = {name: exit_status(soak.pids[name]) for name in result["died"]}
     result["check"] = await verify(system.stub, soak.run_ids, system.work / LEDGER,
                                    args.call_timeout)
     result["samples"] = soak.samples
@@ -657,7 +672,7 @@ def print_result(result: Mapping[str, Any]) -> None:
         print(f"soak {result['duration_s']:.0f} s: {result['runs']} runs submitted, "
               f"refused {result['refused']}; suspected leaks: "
               f"{', '.join(result['suspected_leaks']) or 'none'}; gone before the end: "
-              + (", ".join(f"{n} (last seen at t={t:.0f} s)"
+              + (", ".join(f"{n} (last seen at t={t:.0f} s; {result['exits'].get(n, '?')})"
                            for n, t in result["died"].items()) or "none"))
     print(f"bus: {result['messages']} messages stored, {result['events_per_s']:.1f} events/s, "
           f"{result['commands_per_s']:.1f} commands/s, {result['kv_writes_per_s']:.1f} "
@@ -732,11 +747,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     root = Path(tempfile.mkdtemp(prefix="m27-load-", dir=os.environ.get("M27_BENCH_DIR")))
+    result: dict[str, Any] | None = None
     try:
         result = asyncio.run(main_async(args, root))
     finally:
-        if args.keep:
-            say(f"kept {root}")
+        # A process gone or a failed check: its logs are the evidence, keep them.
+        failed = result is None or bool(result.get("died")) or not result.get(
+            "check", {}).get("nothing_lost_or_doubled", True)
+        if args.keep or failed:
+            say(f"kept {root}" + (" (something failed: its logs are the evidence)"
+                                  if failed and not args.keep else ""))
         else:
             shutil.rmtree(root, ignore_errors=True)
     if args.out:
