@@ -203,6 +203,19 @@ def platform_misses(platform: Platform, requirements: Requirements) -> str:
     return "; ".join(misses)
 
 
+def node_misses(gpu_names: Sequence[str], platform: Platform, needs: Requirements,
+                gpus: int = 1) -> str:
+    """What of `needs` a node misses, e.g. "GPUs NVIDIA A10G; cuda 12.0, needs >=12.1"
+    (fewer than `gpus` GPUs of the model, then its driver and CUDA); "" when it meets them."""
+    why = []
+    if needs.gpu_model:
+        alternatives = model_alternatives(needs.gpu_model)
+        if sum(1 for name in gpu_names if any_model_matches(name, alternatives)) < gpus:
+            why.append(f"GPUs {', '.join(sorted(set(gpu_names))) or 'none'}")
+    why.append(platform_misses(platform, needs))
+    return "; ".join(w for w in why if w)
+
+
 # ---------------------------------------------------------------- uniformity across nodes
 
 

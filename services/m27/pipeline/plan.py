@@ -14,12 +14,7 @@ from typing import Final
 import msgspec
 
 from m27.common.model import GpuInfo, NodeInfo, StepRecord
-from m27.common.platform import (
-    Requirements,
-    any_model_matches,
-    model_alternatives,
-    platform_misses,
-)
+from m27.common.platform import Requirements, node_misses
 from m27.common.units import format_duration, format_size
 from m27.pipeline import dag
 from m27.pipeline._spec import PipelineSpec
@@ -164,18 +159,12 @@ def _unmet(needs: Requirements, nodes: Sequence[NodeInfo], count: int) -> str:
     """Requirements (GPU model, driver, CUDA) no node with room for the step meets."""
     if not needs:
         return ""
-    alternatives = model_alternatives(needs.gpu_model) if needs.gpu_model else ()
     misses = []
     for node in nodes:
-        matching = sum(1 for g in node.gpus
-                       if not alternatives or any_model_matches(g.name, alternatives))
-        why = [platform_misses(node.platform, needs)]
-        if matching < count:
-            names = ", ".join(sorted({g.name for g in node.gpus}))
-            why.insert(0, f"{matching} of its GPUs ({names}) match")
-        if not any(why):
+        missed = node_misses([g.name for g in node.gpus], node.platform, needs, count)
+        if not missed:
             return ""
-        misses.append(f"{node.node_id}: {'; '.join(w for w in why if w)}")
+        misses.append(f"{node.node_id}: {missed}")
     return f"needs {needs.text()}; no node meets it ({' | '.join(misses[:4])})"
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from m27.common.platform import any_model_matches, platform_misses
+from m27.common.platform import node_misses
 from m27.scheduler._packing import Packer, Request
 from m27.scheduler.model import MILLI_PER_GPU
 
@@ -64,11 +64,8 @@ def _unmet(packer: Packer, req: Request) -> str:
     misses = []
     for i in np.flatnonzero(packer.node_ok)[:MAX_NODES_NAMED]:
         node = packer.nodes[int(i)]
-        why = [platform_misses(node.platform, needs)]
-        if req.models and not any(any_model_matches(g.model, req.models) for g in node.gpus):
-            models = sorted({g.model for g in node.gpus})
-            why.insert(0, f"GPUs {', '.join(models) or 'none'}")
-        misses.append(f"{node.node_id}: {'; '.join(w for w in why if w)}")
+        missed = node_misses([g.model for g in node.gpus], node.platform, needs)
+        misses.append(f"{node.node_id}: {missed}")
     more = int(packer.node_ok.sum()) - MAX_NODES_NAMED
     tail = f" and {more} more" if more > 0 else ""
     return f"no node meets its requirements ({' | '.join(misses)}{tail})"

@@ -142,3 +142,14 @@ def test_differences_leave_the_majority_alone(platforms: dict[str, Platform]) ->
         else:  # at most the nodes outside the most common value, never all of them
             most = max(known.count(v) for v in set(known))
             assert len(flagged) == len(known) - most
+
+
+def test_what_a_node_misses_in_words() -> None:
+    from m27.common.platform import node_misses
+
+    needs = Requirements(gpu_model="A100", cuda=">=12.1")
+    assert node_misses(["NVIDIA A10G"] * 2, Platform(cuda="12.0"), needs) == \
+        "GPUs NVIDIA A10G; cuda 12.0, needs >=12.1"
+    assert node_misses(["NVIDIA A100-SXM4-80GB"], Platform(cuda="12.4"), needs) == ""
+    assert node_misses(["NVIDIA A100-SXM4-80GB"], Platform(cuda="12.4"), needs, gpus=2) == \
+        "GPUs NVIDIA A100-SXM4-80GB"
