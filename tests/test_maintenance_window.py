@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import re
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -28,7 +30,7 @@ from tests.support import Cluster, finished_run, lines, wait_for
 pytestmark = pytest.mark.integration
 
 MOVABLE = ("priority: high\npreemptible: true\npipeline:\n"
-           "  - {name: md, type: gpu, command: '\"$M27_PYTHON\" counter.py md 60'}\n")
+           "  - {name: md, type: gpu, command: '\"$M27_PYTHON\" counter.py md 150'}\n")
 LEAD_S = 4.0
 
 
@@ -49,12 +51,6 @@ def window_events(system: Cluster, node: str) -> list[str]:
             if e.get("type") == "node_maintenance_window" and e.get("node_id") == node]
 
 
-def soon(seconds: float) -> tuple[str, str]:
-    """(HH:MM:SS, YYYY-MM-DD) in UTC, `seconds` from now."""
-    at = dt.datetime.now(dt.UTC) + dt.timedelta(seconds=seconds)
-    return at.strftime("%H:%M:%S"), at.date().isoformat()
-
-
 async def test_a_window_drains_the_node_runs_its_command_and_returns_it(
         system: Cluster, client: Client, tmp_path: Path) -> None:
     work = tmp_path / "work"
@@ -66,10 +62,12 @@ async def test_a_window_drains_the_node_runs_its_command_and_returns_it(
     node, other = md.node_id or "", "node-2" if md.node_id == "node-1" else "node-1"
     await wait_for(lambda: len(counts(work / "md.log", 1)) >= 5, "md does not count")
 
-    at, day = soon(LEAD_S)
-    shown = ok(system, "node", "maintain", node, "--at", at, "--on", day, "--tz", "UTC",
+    asked = time.time()
+    shown = ok(system, "node", "maintain", node, "--in", f"{LEAD_S:.0f}s", "--tz", "UTC",
                "--command", f"echo resetting GPUs; touch {marker}")
-    assert f"{node}: once at {at} on {day} UTC" in shown, shown
+    at, day = re.search(r"once at (\S+) on (\S+) UTC", shown).groups()  # type: ignore[union-attr]
+    start = dt.datetime.fromisoformat(f"{day}T{at}+00:00").timestamp()
+    assert asked + LEAD_S <= start <= time.time() + LEAD_S + 1, shown
     assert "command: echo resetting GPUs" in shown
     listed = json.loads(ok(system, "node", "windows", "--json"))
     assert [(w["node_id"], w["phase"]) for w in listed] == [(node, "scheduled")]
@@ -89,13 +87,12 @@ async def test_a_window_drains_the_node_runs_its_command_and_returns_it(
     assert "maintenance window on" in step.history[0].reason
     saved = [line for line in lines(work / "md.log") if line.startswith("1 checkpoint ")]
     resumed_at = int(saved[0].split()[2])
-    assert counts(work / "md.log", 2) == list(range(resumed_at + 1, 61)), "work redone"
+    assert counts(work / "md.log", 2) == list(range(resumed_at + 1, 151)), "work redone"
 
 
 async def test_a_failing_command_leaves_the_node_cordoned_and_says_why(
         system: Cluster, client: Client) -> None:
-    at, day = soon(2.0)
-    ok(system, "node", "maintain", "node-2", "--at", at, "--on", day, "--tz", "UTC",
+    ok(system, "node", "maintain", "node-2", "--in", "5s",
        "--command", "echo driver busy >&2; exit 7", "--command-timeout", "30s")
     await wait_for(lambda: window_events(system, "node-2")[-1:] == ["failed"],
                    "no failed event", timeout=60)
@@ -129,6 +126,11 @@ def test_a_window_that_cannot_be_set_is_refused_naming_what(system: Cluster) -> 
         assert result.returncode != 0
         assert said in result.stderr, result.stderr
         assert "Traceback" not in result.stderr
+    for args, said in ((("--in", "1h", "--at", "03:00"), "not with --at"),
+                       (("--in", "400d"), "--in: between"), (("--in", "soon"), "--in:")):
+        result = m27_cli(system, "node", "maintain", "node-1", *args)
+        assert result.returncode != 0
+        assert said in result.stderr, result.stderr
     unknown = m27_cli(system, "node", "maintain", "node-9", "--at", "03:00")
     assert unknown.returncode != 0
     assert "no node 'node-9'" in unknown.stderr

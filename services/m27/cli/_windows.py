@@ -4,6 +4,8 @@ maintenance windows (m27.common.windows), set through the scheduler's API."""
 from __future__ import annotations
 
 import argparse
+import datetime as dt
+import math
 import os
 import time
 from pathlib import Path
@@ -13,13 +15,15 @@ from m27.cli._common import print_json
 from m27.client.scheduler import SchedulerClient, WindowStatus
 from m27.common.errors import M27Error
 from m27.common.units import format_duration, parse_duration
-from m27.common.windows import DEFAULT_LEAD_S, DEFAULT_TIMEOUT_S, EVERY
+from m27.common.windows import DEFAULT_LEAD_S, DEFAULT_TIMEOUT_S, EVERY, WindowError, zone
 
 LOCALTIME: Final = Path("/etc/localtime")
+MAX_IN_S: Final = 366 * 86400.0
 EPILOG: Final = """\
 maintenance windows:
   m27 node maintain gpu-02 --at 03:00 --every day --command "nvidia-smi --gpu-reset"
   m27 node maintain gpu-02 --at 22:30 --on 2026-12-24 --command "apt-get -y upgrade"
+  m27 node maintain gpu-02 --in 15m --command "nvidia-smi --gpu-reset"   # once, soon
   m27 node maintain gpu-02 --clear           # no more windows for gpu-02
   m27 node windows                           # every node's window and where it stands
 
@@ -35,6 +39,8 @@ def add_arguments(node: argparse.ArgumentParser) -> None:
     group = node.add_argument_group("maintain (a maintenance window)")
     group.add_argument("--at", metavar="HH:MM", help="when the window starts, wall-clock "
                        "time in --tz (HH:MM:SS also works)")
+    group.add_argument("--in", dest="in_", metavar="DURATION", default="",
+                       help="instead of --at/--on: once, this long from now (e.g. 15m)")
     group.add_argument("--every", choices=EVERY, default="once",
                        help="once (default), every day or every week")
     group.add_argument("--on", metavar="YYYY-MM-DD", default="",
@@ -75,12 +81,30 @@ def _seconds(text: str, flag: str) -> float:
 async def maintain(client: SchedulerClient, args: argparse.Namespace) -> WindowStatus:
     if args.clear:
         return await client.clear_window(args.node_id)
-    if not args.at:
-        raise M27Error("m27 node maintain needs --at HH:MM (or --clear)")
+    tz = args.tz or local_zone()
+    at, first_day = args.at, args.on
+    if args.in_:
+        if args.at or args.on or args.every != "once":
+            raise M27Error("--in sets a single window from now: not with --at, --on or "
+                           "--every")
+        at, first_day = starting_in(_seconds(args.in_, "--in"), tz, time.time())
+    if not at:
+        raise M27Error("m27 node maintain needs --at HH:MM or --in DURATION (or --clear)")
     return await client.set_window(
-        args.node_id, at=args.at, tz=args.tz or local_zone(), every=args.every,
-        first_day=args.on, command=args.command, lead_s=_seconds(args.lead, "--lead"),
+        args.node_id, at=at, tz=tz, every=args.every,
+        first_day=first_day, command=args.command, lead_s=_seconds(args.lead, "--lead"),
         timeout_s=_seconds(args.command_timeout, "--command-timeout"))
+
+
+def starting_in(seconds: float, tz: str, now: float) -> tuple[str, str]:
+    """(HH:MM:SS, YYYY-MM-DD) in `tz` of the whole second at or after `now + seconds`."""
+    if not 0 <= seconds <= MAX_IN_S:
+        raise M27Error(f"--in: between 0 s and {MAX_IN_S // 86400:.0f} days")
+    try:
+        start = dt.datetime.fromtimestamp(math.ceil(now + seconds), zone(tz))
+    except WindowError as exc:
+        raise M27Error(str(exc)) from exc
+    return start.strftime("%H:%M:%S"), start.date().isoformat()
 
 
 def render_window(window: WindowStatus, now: float, *, cleared: bool = False) -> str:

@@ -139,3 +139,16 @@ def test_status_names_windows_under_way_near_or_failed() -> None:
     assert line.startswith("gpu-02: every day at 03:00 UTC; next ")
     assert "command: nvidia-smi --gpu-reset; lead 2h00m, limit 10m00s" in line
     assert line.endswith("last: failed: the command exited with 3; 2 run(s)")
+
+
+def test_in_a_duration_is_the_next_whole_second_in_the_zone() -> None:
+    from m27.cli._windows import starting_in
+    from m27.common.errors import M27Error
+    midnight_utc = 1_767_225_600.0  # 2026-01-01 00:00:00 UTC
+    assert starting_in(90.2, "UTC", midnight_utc) == ("00:01:31", "2026-01-01")
+    assert starting_in(0, "Asia/Tokyo", midnight_utc - 1) == ("08:59:59", "2026-01-01")
+    assert starting_in(3600, "America/New_York", midnight_utc) == ("20:00:00", "2025-12-31")
+    for seconds, zone in ((-1.0, "UTC"), (float("nan"), "UTC"), (400 * 86400.0, "UTC"),
+                          (60.0, "Mars/Olympus")):
+        with pytest.raises(M27Error):
+            starting_in(seconds, zone, midnight_utc)
