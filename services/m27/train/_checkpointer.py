@@ -434,16 +434,26 @@ class Checkpointer:
         if cursor is None or failure is not None:
             raise RestoreError(f"checkpoint {manifest.checkpoint_id} ({manifest.name}) does "
                                f"not fit this program: {failure}") from failure
+        self.continue_from(manifest, cursor)
+        log.info("checkpoint_restored", task_id=self.task_id, checkpoint=manifest.checkpoint_id,
+                 step=cursor.step, epoch=cursor.epoch)
+        return cursor
+
+    def continue_from(self, manifest: Manifest, cursor: Cursor) -> None:
+        """Carry on after `manifest`, whose state the program restored by other means (a
+        framework's own restore, m27.train.lightning): the next checkpoint follows it
+        (its step trigger counts from `cursor`) and is full, the host buffers holding no
+        base for deltas yet."""
+        if self._inflight is not None:
+            raise RestoreError("continue_from() must come before the first checkpoint")
         self._persister.previous = manifest
-        self._force_full = True  # the host buffers hold no base for deltas yet
+        self._force_full = True
         self._last_step, self._last_time = cursor.step, time.monotonic()
+        self._cursor = cursor
         self._prepared = True
         self._prepare_later()
         self._vote_at, self._pending = cursor.step, False
         self._voted = (cursor.step, time.monotonic())
-        log.info("checkpoint_restored", task_id=self.task_id, checkpoint=manifest.checkpoint_id,
-                 step=cursor.step, epoch=cursor.epoch)
-        return cursor
 
     def _read_latest_good(self) -> tuple[Manifest, Restored, Restored] | None:
         """The newest checkpoint of this task written by m27.train that reads back intact:

@@ -79,6 +79,7 @@ class ResumableSampler(Sampler[int]):
             raise ValueError("size must be ≥ 0 and batch_size ≥ 1")
         self.size, self.batch_size, self.shuffle, self.seed = size, batch_size, shuffle, seed
         self.epoch, self.start_batch = 0, 0
+        self._skip: tuple[int, int] | None = None  # (epoch, batches): skip_once
         self._before_next_iteration: Callable[[], None] | None = None
 
     def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
@@ -87,6 +88,12 @@ class ResumableSampler(Sampler[int]):
     def start(self, cursor: Any) -> None:
         """Iterate the cursor's epoch from its batch on (a `Cursor`)."""
         self.set_epoch(cursor.epoch, cursor.batch)
+
+    def skip_once(self, epoch: int, batches: int) -> None:
+        """The next iteration of `epoch` starts `batches` batches further on, while len()
+        stays the whole epoch's (a framework that counts the batches itself, such as
+        Lightning resuming mid-epoch, sets the epoch with set_epoch and expects it)."""
+        self._skip = (epoch, batches)
 
     def call_before_next_iteration(self, action: Callable[[], None]) -> None:
         """Run `action` when the next iteration begins (the checkpointer uses it to put the
@@ -97,8 +104,12 @@ class ResumableSampler(Sampler[int]):
         action, self._before_next_iteration = self._before_next_iteration, None
         if action is not None:
             action()
+        start = self.start_batch
+        if self._skip is not None and self._skip[0] == self.epoch:
+            start += self._skip[1]
+            self._skip = None
         order = epoch_order(self.size, self.seed, self.epoch, self.shuffle)
-        yield from order[self.start_batch * self.batch_size:].tolist()
+        yield from order[start * self.batch_size:].tolist()
 
     def __len__(self) -> int:
         return max(0, self.size - self.start_batch * self.batch_size)
