@@ -63,16 +63,21 @@ class Capture:
     of a DTensor is saved, with what rebuilds it in the skeleton's "dtensors".
     `versions_tell=False`: a tensor other than a DTensor may be written by a collective
     (ZeRO broadcasts the parameters each rank updated), which bumps no version counter,
-    so it is never taken as unchanged."""
+    so it is never taken as unchanged. `written_unseen`: the storage addresses of the
+    parameters an optimizer updates without bumping their version counters (a fused
+    kernel, writes through `.data`: `Checkpointer` finds out): they and the optimizer's
+    state are never taken as unchanged either."""
 
     def __init__(self, snapshot: Snapshot, buffers: HostBuffers, layout: StateLayout, *,
                  pack_below: int, skip_unchanged: bool,
                  names: Callable[[str], str] | None = None, shared: bool = True,
-                 model_now: bool = False, versions_tell: bool = True) -> None:
+                 model_now: bool = False, versions_tell: bool = True,
+                 written_unseen: frozenset[int] = frozenset()) -> None:
         self.snapshot, self.buffers, self.layout = snapshot, buffers, layout
         self.pack_below, self.skip_unchanged = pack_below, skip_unchanged
         self.names = names
         self.shared, self.model_now, self.versions_tell = shared, model_now, versions_tell
+        self.written_unseen = written_unseen
         self._sync_model: dict[str, int] = {}
         self._optimizer_state: Any = None
         self._model: torch.nn.Module | None = None
@@ -167,8 +172,8 @@ class Capture:
             return
         model_state = self._model_state if self.model_now else self._model.state_dict()
         skeleton["model"] = _state.encode(model_state, self._model_tensor, "model")
-        skeleton["optimizer"]["state"] = _state.encode(self._optimizer_state, self.background,
-                                                       "optimizer/state")
+        skeleton["optimizer"]["state"] = _state.encode(
+            self._optimizer_state, self._optimizer_tensor, "optimizer/state")
         self._optimizer_state = self._model = self._model_state = None
         self.layout.devices |= self._cuda_devices
 
@@ -181,14 +186,19 @@ class Capture:
                                "nor a persistent buffer: not checkpointed consistently")
         return index
 
-    def background(self, tensor: torch.Tensor, path: str) -> int:
-        """A tensor only optimizer.step() changes: copied by the copier thread."""
+    def _optimizer_tensor(self, tensor: torch.Tensor, path: str) -> int:
+        return self.background(tensor, path, unseen=bool(self.written_unseen))
+
+    def background(self, tensor: torch.Tensor, path: str, *, unseen: bool = False) -> int:
+        """A tensor only optimizer.step() changes: copied by the copier thread (`unseen`:
+        its version counter does not tell whether it changed)."""
         ref, local = self._ref(tensor, path)
         ref.source, ref.signature = local.detach(), signature(local)
         if local is not tensor:  # a DTensor: in-place changes bump its version, not its shard's
             address, _, dtype, shape, device = ref.signature
             ref.signature = (address, tensor._version, dtype, shape, device)
-        self.buffers.plan(ref, skip_unchanged=self.skip_unchanged and (
+        unseen = unseen or local.data_ptr() in self.written_unseen
+        self.buffers.plan(ref, skip_unchanged=self.skip_unchanged and not unseen and (
             self.versions_tell or local is not tensor))
         if ref.reuse:
             ref.source = None

@@ -146,6 +146,10 @@ class Checkpointer:
             self._persister.commit = self._gang.committer(self.store)
         self._vote_at, self._pending = 0, False  # when the ranks vote next (alike on all)
         self._voted = (0, time.monotonic())  # (step, time) of the last vote here
+        self._versions_before: list[tuple[torch.Tensor, int]] | None = None
+        self._versions_known = False
+        self._written_unseen: frozenset[int] = frozenset()
+        self._watch_versions(optimizer)
         self._hook = optimizer.register_step_pre_hook(self._before_step)
         self._prepared = False
         self._prepare_hook: Any = optimizer.register_step_post_hook(self._after_first_step)
@@ -325,7 +329,8 @@ class Checkpointer:
                           names=gang.name if gang else None,
                           shared=gang.saves_shared if gang else True,
                           model_now=gang is not None and gang.sharded,
-                          versions_tell=gang is None or not gang.sharded)
+                          versions_tell=gang is None or not gang.sharded,
+                          written_unseen=self._written_unseen)
         try:
             capture.capture_now(self.sources, cursor.state_dict())
         except TypeError as exc:
@@ -346,13 +351,40 @@ class Checkpointer:
         if snapshot is not None:
             snapshot.blocked_s = wait_copied(snapshot)
             snapshot.report.blocked_s = snapshot.blocked_s
+        if not self._versions_known and optimizer is not None:
+            self._versions_before = [(p, p._version) for p in _parameters(optimizer)
+                                     if p.grad is not None]
 
     def _after_first_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         """The optimizer state exists now: have the host buffers allocated in the
-        background, long before the first checkpoint needs them."""
+        background, long before the first checkpoint needs them. The first step that
+        updated parameters also tells whether the optimizer's writes bump their version
+        counters (`_watch_versions`)."""
+        before, self._versions_before = self._versions_before, None
+        if before and not self._versions_known:
+            self._versions_known = True
+            if any(p._version == version for p, version in before):
+                self._written_unseen_by(optimizer, "a parameter it updated kept its version")
         if not self._prepared:  # (a hook cannot remove itself while hooks run)
             self._prepared = True
             self._prepare_later()
+
+    def _watch_versions(self, optimizer: torch.optim.Optimizer) -> None:
+        """Unchanged tensors are not copied again; "unchanged" is read from the version
+        counter autograd bumps at every in-place change. A fused optimizer kernel and an
+        update through `p.data` write without bumping it: such an optimizer is known
+        from its settings (`fused=True`) or from its first step, and its parameters and
+        state are then copied into every checkpoint."""
+        if any(group.get("fused") for group in optimizer.param_groups):
+            self._written_unseen_by(optimizer, "fused=True")
+
+    def _written_unseen_by(self, optimizer: torch.optim.Optimizer, why: str) -> None:
+        self._versions_known = True
+        self._written_unseen = frozenset(local_tensor(p).data_ptr()
+                                         for p in _parameters(optimizer))
+        log.info("optimizer_writes_unseen", task_id=self.task_id, optimizer=type(
+            optimizer).__name__, why=why, effect="its parameters and state are copied "
+                 "into every checkpoint, changed or not")
 
     def _prepare_later(self) -> None:
         if self._gang is None:
@@ -613,6 +645,10 @@ class Checkpointer:
         raise SystemExit(128 + number)
 
 
+def _parameters(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
 def _check_settings(*, delta_base: str, compress: str, persist_cpu_share: float,
                     persist_threads: int | None) -> None:
     """A clear error for a setting out of range, before any thread starts."""
@@ -646,13 +682,19 @@ def _signal_number(value: str | int | bool) -> int:
         raise ValueError(f"not a signal: {value!r} (M27_CHECKPOINT_SIGNAL)") from None
 
 
-def _restore_scaler(scaler: Any, saved: dict[str, Any], tensors: list[torch.Tensor]) -> None:
+def scaler_state(saved: dict[str, Any], tensors: list[torch.Tensor]) -> dict[str, Any]:
+    """The GradScaler state_dict a checkpoint's "scaler" holds (empty: a disabled one)."""
     if saved.get("tensors_as_numbers"):
-        state = _state.decode(saved["state"], tensors)
+        state: dict[str, Any] = _state.decode(saved["state"], tensors)
         state["scale"] = float(state["scale"].reshape(-1)[0])
         state["_growth_tracker"] = int(state["_growth_tracker"].reshape(-1)[0])
-    else:
-        state = _state.decode(saved, tensors)
+        return state
+    decoded: dict[str, Any] = _state.decode(saved, tensors)
+    return decoded
+
+
+def _restore_scaler(scaler: Any, saved: dict[str, Any], tensors: list[torch.Tensor]) -> None:
+    state = scaler_state(saved, tensors)
     if not state:
         return  # saved from a disabled scaler: nothing to restore
     if "max_scale" in state and hasattr(scaler, "max_scale"):

@@ -189,6 +189,83 @@ def test_a_mostly_frozen_model_stores_almost_nothing_again(
     assert all(r.new_bytes < 150_000 for r in later), [r.new_bytes for r in later]
 
 
+class DataSGD(torch.optim.Optimizer):
+    """An optimizer as many are written: updates through `p.data`, which autograd's version
+    counter does not see."""
+
+    def __init__(self, params: Any, lr: float = 0.01) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    state = self.state[p]
+                    state["momentum"] = state.get("momentum", torch.zeros_like(p)) * 0.9 + \
+                        p.grad
+                    p.data.add_(state["momentum"], alpha=-group["lr"])
+
+
+@pytest.mark.parametrize("optimizer", ["fused AdamW", "writes through .data"])
+def test_optimizers_whose_writes_bump_no_version_are_checkpointed_as_they_are(
+        optimizer: str, store: LocalStore, env: dict[str, str], runs: list[Run]) -> None:
+    """A fused kernel (the Hugging Face Trainer's default optimizer) and `p.data` updates
+    leave version counters alone: each checkpoint must still hold that step's weights and
+    optimizer state, not those of the last copy."""
+    model = make_model()
+    for parameter in list(model.parameters())[:6]:
+        parameter.requires_grad_(False)  # frozen: still skipped when unchanged
+    trained = [p for p in model.parameters() if p.requires_grad]
+    opt: torch.optim.Optimizer = torch.optim.AdamW(trained, lr=1e-2, fused=True) \
+        if optimizer == "fused AdamW" else DataSGD(trained)
+    ckpt = Checkpointer(model=model, optimizer=opt, store=store, signal=False, environ=env,
+                        every_steps=1)
+    cursor, expected = Cursor(), {}
+    for _ in range(4):
+        train_step(model, opt)
+        cursor.advance()
+        expected[cursor.step] = {"model": {k: v.clone() for k, v in model.state_dict().items()},
+                                 "opt": opt.state_dict()["state"]}
+        expected[cursor.step]["opt"] = {i: {k: v.clone() if isinstance(v, torch.Tensor) else v
+                                            for k, v in state.items()}
+                                        for i, state in expected[cursor.step]["opt"].items()}
+        ckpt.after_step(cursor)
+        ckpt.flush()
+    ckpt.close()
+    later = [r.new_bytes for r in list(ckpt.reports)[1:]]
+    assert all(b < 150_000 for b in later), later  # the frozen 600x600 layer: not again
+    for manifest in store.list("local"):
+        fresh = make_model(seed=5)
+        fresh_opt: torch.optim.Optimizer = torch.optim.AdamW(
+            list(fresh.parameters())[6:], lr=1e-2, fused=True) \
+            if optimizer == "fused AdamW" else DataSGD(list(fresh.parameters())[6:])
+        reader = Checkpointer(model=fresh, optimizer=fresh_opt, store=store, signal=False,
+                              environ=env)
+        reader.store = _AtStep(store, manifest)
+        assert reader.resume() is not None
+        reader.close()
+        assert manifest.step is not None
+        assert same(dict(fresh.state_dict()), expected[manifest.step]["model"]), manifest.step
+        assert same(fresh_opt.state_dict()["state"], expected[manifest.step]["opt"])
+
+
+class _AtStep:
+    """A store whose latest checkpoint is `manifest` (to restore each one in turn)."""
+
+    def __init__(self, store: LocalStore, manifest: Manifest) -> None:
+        self.store, self.manifest = store, manifest
+
+    def latest(self, task_id: str) -> Manifest:
+        return self.manifest
+
+    def list(self, task_id: str) -> list[Manifest]:
+        return [self.manifest]
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.store, name)
+
+
 def test_dense_training_is_stored_as_deltas_with_a_full_checkpoint_every_n(
         store: LocalStore, env: dict[str, str], runs: list[Run]) -> None:
     run = new_run(runs, store, env, every_steps=1, keep_full_every=3, delta_base="memory",
