@@ -103,7 +103,7 @@ class Checkpointer:
                  signal: str | int | bool = True,
                  stop_signal: str | int | bool = True,
                  environ: Mapping[str, str] | None = None, sharded: bool = False,
-                 rank_timeout: float = 1800.0) -> None:
+                 rank_timeout: float = 1800.0, wait_in_step: bool = True) -> None:
         _check_settings(delta_base=delta_base, compress=compress,
                         persist_cpu_share=persist_cpu_share, persist_threads=persist_threads)
         env = os.environ if environ is None else environ
@@ -146,6 +146,9 @@ class Checkpointer:
             self._persister.commit = self._gang.committer(self.store)
         self._vote_at, self._pending = 0, False  # when the ranks vote next (alike on all)
         self._voted = (0, time.monotonic())  # (step, time) of the last vote here
+        # False: the caller calls wait_snapshot() right before parameters change (a
+        # framework whose optimizer.step(closure) runs forward and backward inside it).
+        self._wait_in_step = wait_in_step
         self._versions_before: list[tuple[torch.Tensor, int]] | None = None
         self._versions_known = False
         self._written_unseen: frozenset[int] = frozenset()
@@ -249,7 +252,8 @@ class Checkpointer:
 
     def wait_snapshot(self) -> None:
         """Block until the snapshot in flight is copied: call before changing parameters
-        or optimizer state other than through optimizer.step()."""
+        or optimizer state other than through optimizer.step() (and, with
+        `wait_in_step=False`, right before every optimizer update)."""
         self._before_step(None, (), {})
 
     def close(self) -> None:
@@ -347,8 +351,9 @@ class Checkpointer:
         report.capture_s = snapshot.capture_s = time.perf_counter() - started
 
     def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        snapshot, self._barrier = self._barrier, None
-        if snapshot is not None:
+        snapshot = self._barrier
+        if snapshot is not None and (self._wait_in_step or optimizer is None):
+            self._barrier = None
             snapshot.blocked_s = wait_copied(snapshot)
             snapshot.report.blocked_s = snapshot.blocked_s
         if not self._versions_known and optimizer is not None:

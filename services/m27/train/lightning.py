@@ -159,9 +159,12 @@ class M27Checkpoint(pl.Callback):
         optimizers = trainer.optimizers
         if not optimizers:
             raise CheckpointError("M27Checkpoint needs an optimizer (configure_optimizers)")
+        # optimizer.step(closure) runs forward and backward inside the step: the snapshot
+        # is waited for just before the update (on_before_optimizer_step), not at its start.
         self.checkpointer = Checkpointer(model=pl_module, optimizer=optimizers[0],
                                          extras={EXTRA: _LightningState(self)},
-                                         store=self.store, **self.options)
+                                         store=self.store,
+                                         **{**self.options, "wait_in_step": False})
         resumed, self._resumed = self._resumed, None
         if resumed is None:
             return
@@ -202,6 +205,10 @@ class M27Checkpoint(pl.Callback):
         if self.checkpointer is None or _accumulating(trainer):
             return
         self.checkpointer.after_step(self._cursor(trainer, batch_idx + 1))
+
+    def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+        if self.checkpointer is not None:
+            self.checkpointer.wait_snapshot()
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         self._close()
