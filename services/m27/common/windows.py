@@ -106,6 +106,9 @@ def occurrence_after(window: Window, after: float) -> float | None:
     tz = zone(window.tz)
     today = dt.datetime.fromtimestamp(after, tz).date()
     first = dt.date.fromisoformat(window.first_day) if window.first_day else None
+    if window.every == "once" and first is not None:  # that day's, or none at all
+        start = _wall(first, window.at, tz)
+        return start if start >= after else None
     day = max(today, first) if first else today
     step = {"once": 0, "day": 1, "week": 7}[window.every]
     for _ in range(3):  # today's may have passed: the next day's (or week's) has not
