@@ -44,7 +44,7 @@ from m27.train._log import log
 from m27.train._persist import Compress, DeltaBase, Persister, Priority, usable_cores
 from m27.train._policy import Decision, Policy, decide, next_kind
 from m27.train._ranks import Vote, layout_problem, must_agree, settle, step_due
-from m27.train._restore import is_train_checkpoint, read_checkpoint
+from m27.train._restore import read_checkpoint, train_checkpoints
 from m27.train._snapshot import Copier, HostBuffers, Snapshot, wait_copied
 from m27.train._stores import STORE_OUTAGE_S, may_pass, open_store, task_identity
 
@@ -536,13 +536,7 @@ class Checkpointer:
 
     def _candidates(self) -> Iterator[Manifest]:
         """This task's checkpoints written by m27.train, the latest first."""
-        latest = self.store.latest(self.task_id)
-        if latest is None:
-            return
-        if is_train_checkpoint(latest):
-            yield latest
-        yield from (m for m in reversed(self.store.list(self.task_id))
-                    if is_train_checkpoint(m) and m.checkpoint_id != latest.checkpoint_id)
+        return train_checkpoints(self.store, self.task_id)
 
     def _read_parts(self, manifest: Manifest) -> tuple[Restored, Restored]:
         """(where the model/optimizer/scheduler/scaler come from, this rank's own state)."""

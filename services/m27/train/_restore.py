@@ -4,7 +4,7 @@ bytes of its tensor."""
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -29,6 +29,18 @@ from m27.train._state import dtype_from_name
 def is_train_checkpoint(manifest: Manifest) -> bool:
     """Written by m27.train (not the node-agent's upload of a program's own files)."""
     return manifest.metadata.get("format") == FORMAT
+
+
+def train_checkpoints(store: CheckpointSink, task_id: str) -> Iterator[Manifest]:
+    """`task_id`'s checkpoints written by m27.train, the latest first (the node-agent's
+    uploads of a program's own files skipped)."""
+    latest = store.latest(task_id)
+    if latest is None:
+        return
+    if is_train_checkpoint(latest):
+        yield latest
+    yield from (m for m in reversed(store.list(task_id))
+                if is_train_checkpoint(m) and m.checkpoint_id != latest.checkpoint_id)
 
 
 def read_checkpoint(store: CheckpointSink, manifest: Manifest, threads: int | None = None,

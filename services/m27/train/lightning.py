@@ -46,7 +46,7 @@ from m27.train._checkpointer import Checkpointer
 from m27.train._cursor import Cursor, ResumableSampler
 from m27.train._errors import CheckpointError, RestoreError
 from m27.train._log import log
-from m27.train._restore import is_train_checkpoint, read_checkpoint
+from m27.train._restore import read_checkpoint, train_checkpoints
 from m27.train._stores import open_store, task_identity
 
 try:
@@ -116,13 +116,7 @@ class M27Checkpoint(pl.Callback):
         return None
 
     def _candidates(self) -> Iterator[Manifest]:
-        latest = self.store.latest(self.task_id)
-        if latest is None:
-            return
-        if is_train_checkpoint(latest):
-            yield latest
-        yield from (m for m in reversed(self.store.list(self.task_id))
-                    if is_train_checkpoint(m) and m.checkpoint_id != latest.checkpoint_id)
+        return train_checkpoints(self.store, self.task_id)
 
     def load(self, checkpoint_id: str) -> dict[str, Any]:
         """Lightning's checkpoint dict of `checkpoint_id` (the IO's load_checkpoint)."""
