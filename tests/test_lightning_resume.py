@@ -16,7 +16,6 @@ from __future__ import annotations
 import os
 import random
 import signal
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -24,7 +23,7 @@ from typing import Any
 import pytest
 
 from m27.common.checkpoint_storage import LocalStore
-from tests.test_train_resume import assert_bitwise_equal
+from tests.test_train_resume import assert_bitwise_equal, run_program
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("pytorch_lightning")
@@ -125,31 +124,7 @@ def train(out: Path, steps: int) -> None:
 
 def run(out: Path, kill_at: int | None = None, how: signal.Signals = signal.SIGKILL
         ) -> tuple[bool, int]:
-    """Run the program; send it `how` once it reports step `kill_at` or later and some
-    checkpoint is durable. (Whether it finished, the step it resumed from.)"""
-    env = {**os.environ, "PYTHONPATH": str(WORKER.parent.parent),
-           "M27_TEST_SLOW_AFTER": str(kill_at if how == signal.SIGTERM else 0)}
-    proc = subprocess.Popen([sys.executable, str(WORKER), str(out), str(STEPS)],
-                            stdout=subprocess.PIPE, text=True, env=env)
-    assert proc.stdout is not None
-    resumed, durable = -1, False
-    for line in proc.stdout:
-        if line.startswith("resumed "):
-            resumed = int(line.split()[1])
-            durable = resumed > 0
-        durable = durable or line.startswith("durable ")
-        if kill_at is not None and line.startswith("step ") and \
-                int(line.split()[1]) >= kill_at and durable:
-            proc.send_signal(how)
-            if how == signal.SIGKILL:
-                break
-    proc.stdout.close()
-    code = proc.wait(timeout=180)
-    if kill_at is None or code == 0:
-        assert code == 0, f"the training program failed ({code})"
-        return True, resumed
-    assert code == (-signal.SIGKILL if how == signal.SIGKILL else 128 + how)
-    return False, resumed
+    return run_program(WORKER, out, STEPS, kill_at, how)
 
 
 @pytest.fixture(scope="module")

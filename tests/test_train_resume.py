@@ -106,12 +106,19 @@ def train(out: Path, steps: int) -> None:
 
 def run(out: Path, kill_at: int | None = None, how: signal.Signals = signal.SIGKILL
         ) -> tuple[bool, int]:
-    """Run the program; send it `how` once it reports step `kill_at` or later and some
+    return run_program(WORKER, out, STEPS, kill_at, how)
+
+
+def run_program(worker: Path, out: Path, steps: int, kill_at: int | None = None,
+                how: signal.Signals = signal.SIGKILL, timeout: float = 180.0
+                ) -> tuple[bool, int]:
+    """Run a training program (`python WORKER OUT STEPS`, printing `resumed N`, `step N`
+    and `durable N`); send it `how` once it reports step `kill_at` or later and some
     checkpoint exists (on a loaded machine the first one may not be durable by then).
     (Whether it finished, the step it resumed from.)"""
-    env = {**os.environ, "PYTHONPATH": str(WORKER.parent.parent),
+    env = {**os.environ, "PYTHONPATH": str(worker.parent.parent),
            "M27_TEST_SLOW_AFTER": str(kill_at if how == signal.SIGTERM else 0)}
-    proc = subprocess.Popen([sys.executable, str(WORKER), str(out), str(STEPS)],
+    proc = subprocess.Popen([sys.executable, str(worker), str(out), str(steps)],
                             stdout=subprocess.PIPE, text=True, env=env)
     assert proc.stdout is not None
     resumed, durable = -1, False
@@ -126,7 +133,7 @@ def run(out: Path, kill_at: int | None = None, how: signal.Signals = signal.SIGK
             if how == signal.SIGKILL:
                 break
     proc.stdout.close()
-    code = proc.wait(timeout=120)
+    code = proc.wait(timeout=timeout)
     if kill_at is None or code == 0:
         assert code == 0, f"the training program failed ({code})"
         return True, resumed
