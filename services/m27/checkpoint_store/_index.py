@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Final, Protocol
 
 import msgspec
@@ -34,6 +34,8 @@ _GET_BATCH: Final = 64
 ALL_KEYS: Final = ">"
 #: Compare-and-set tries before a retirement gives up (another writer won each time).
 _CAS_TRIES: Final = 20
+#: Manifests read together (`batches`).
+Batch = list[Manifest]
 
 
 class _Protection(msgspec.Struct):
@@ -66,6 +68,10 @@ class ManifestIndex(Protocol):
         `run_pattern(...)`, `ALL_KEYS`), in no particular order. An unreadable one is
         skipped (logged), or with `strict` raises CheckpointCorrupt: garbage collection
         must not sweep chunks because a manifest could not be read."""
+
+    def batches(self, pattern: str, *, strict: bool = False) -> AsyncIterator[Batch]:
+        """`list`, a batch at a time: garbage collection reads every manifest, and holding
+        them all at once made the store's memory grow with everything it keeps."""
 
     async def delete(self, ref: CheckpointRef) -> None:
         """Remove the manifest; harmless when there is none."""
@@ -148,18 +154,20 @@ class KvManifestIndex:
 
     async def list(self, pattern: str, *, strict: bool = False) -> list[Manifest]:
         """The server filters the keys, so other tasks cost nothing."""
-        found: list[Manifest] = []
+        return [m async for batch in self.batches(pattern, strict=strict) for m in batch]
+
+    async def batches(self, pattern: str, *,
+                      strict: bool = False) -> AsyncIterator[Batch]:
         with nats_errors("list checkpoint manifests"):
             keys = await self._bus.kv_keys(self._bucket, pattern)
             kv = await self._bus.kv(self._bucket)
-            for start in range(0, len(keys), _GET_BATCH):
-                batch = keys[start:start + _GET_BATCH]
+        for start in range(0, len(keys), _GET_BATCH):
+            batch = keys[start:start + _GET_BATCH]
+            with nats_errors("list checkpoint manifests"):
                 values = await asyncio.gather(*(self._value(kv, key) for key in batch))
-                for key, value in zip(batch, values, strict=True):
-                    manifest = _accept(key, value, strict=strict)
-                    if manifest is not None:
-                        found.append(manifest)
-        return found
+            found = [_accept(key, value, strict=strict)
+                     for key, value in zip(batch, values, strict=True)]
+            yield [manifest for manifest in found if manifest is not None]
 
     @staticmethod
     async def _value(kv: KeyValue, key: str) -> bytes | None:
@@ -229,6 +237,12 @@ class MemoryManifestIndex:
         found = [_accept(k, v, strict=strict) for k, v in list(self.values.items())
                  if matches(pattern, k)]
         return [manifest for manifest in found if manifest is not None]
+
+    async def batches(self, pattern: str, *,
+                      strict: bool = False) -> AsyncIterator[Batch]:
+        found = await self.list(pattern, strict=strict)
+        for start in range(0, len(found), _GET_BATCH):
+            yield found[start:start + _GET_BATCH]
 
     async def delete(self, ref: CheckpointRef) -> None:
         self.values.pop(ref.key, None)

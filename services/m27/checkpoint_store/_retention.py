@@ -86,14 +86,22 @@ class ChunkFile(msgspec.Struct, frozen=True):
 
 class SweepDecision(msgspec.Struct, frozen=True, kw_only=True):
     delete: tuple[str, ...]  # unreferenced and older than the grace period
+    sizes: dict[str, int]  # chunk id → bytes, of those in `delete`
     referenced: int
     young: int  # unreferenced but within the grace period: maybe an upload in progress
     cutoff: float  # chunks modified before this (unix time) could go
 
 
-def mark(manifests: Iterable[Manifest]) -> set[str]:
-    """Every chunk any committed manifest needs, delta bases included."""
-    found: set[str] = set()
+def run_expired(ended_at: float | None, *, now: float, keep_finished_s: float) -> bool:
+    """Whether a run's checkpoints have outlived `keep_finished_s` since the run ended
+    (`ended_at` None: queued, running or unknown — kept; `keep_finished_s` 0: for ever)."""
+    return keep_finished_s > 0 and ended_at is not None and now - ended_at >= keep_finished_s
+
+
+def mark(manifests: Iterable[Manifest], found: set[str] | None = None) -> set[str]:
+    """Every chunk any committed manifest needs, delta bases included; added to `found`
+    when given (marking a batch at a time)."""
+    found = set() if found is None else found
     for manifest in manifests:
         found |= chunk_ids(manifest)
     return found
@@ -104,7 +112,7 @@ def sweep(chunks: Iterable[ChunkFile], referenced: set[str], *, marked_at: float
     """The chunks to remove. `marked_at` is when marking began: a chunk touched after
     `marked_at - grace_s` may belong to a commit the mark did not see, so it stays."""
     cutoff = marked_at - grace_s
-    delete: list[str] = []
+    sizes: dict[str, int] = {}
     in_use = young = 0
     for chunk in chunks:
         if chunk.id in referenced:
@@ -112,6 +120,6 @@ def sweep(chunks: Iterable[ChunkFile], referenced: set[str], *, marked_at: float
         elif chunk.mtime >= cutoff:
             young += 1
         else:
-            delete.append(chunk.id)
-    return SweepDecision(delete=tuple(sorted(delete)), referenced=in_use, young=young,
-                         cutoff=cutoff)
+            sizes[chunk.id] = chunk.size
+    return SweepDecision(delete=tuple(sorted(sizes)), sizes=sizes, referenced=in_use,
+                         young=young, cutoff=cutoff)

@@ -38,7 +38,7 @@ from m27.checkpoint_store._ids import (
     parse_task_id,
     run_pattern,
 )
-from m27.checkpoint_store._index import ALL_KEYS, ManifestIndex, task_pattern
+from m27.checkpoint_store._index import ALL_KEYS, ManifestIndex, ref_of, task_pattern
 from m27.checkpoint_store._manifests import decode_manifest, seal, stored_sizes
 from m27.checkpoint_store._retention import (
     DEFAULT_GRACE_S,
@@ -46,6 +46,7 @@ from m27.checkpoint_store._retention import (
     choose_protected,
     choose_retained,
     mark,
+    run_expired,
     sweep,
 )
 from m27.common import events
@@ -79,6 +80,8 @@ PROTECT_TRIES: Final = 8
 OnCorrupt = Callable[[events.CheckpointCorrupt], Awaitable[None]]
 OnCommit = Callable[[events.CheckpointCommitted], Awaitable[None]]
 AssignedAttempt = Callable[[str], Awaitable[int | None]]
+#: When a run ended (unix time), None while it has not or when it is unknown.
+RunEnded = Callable[[str], Awaitable[float | None]]
 
 
 class PutResult(msgspec.Struct, frozen=True):
@@ -94,6 +97,7 @@ class CommitResult(msgspec.Struct, frozen=True):
 
 class GcReport(msgspec.Struct, frozen=True, kw_only=True):
     manifests: int
+    expired: int  # manifests removed: their run ended more than keep_finished ago
     referenced: int
     young: int
     deleted: int
@@ -124,6 +128,8 @@ class CheckpointStore:
                  max_bytes: int = DEFAULT_MAX_BYTES,
                  retention: RetentionPolicy | None = None,
                  gc_grace_s: float = DEFAULT_GRACE_S,
+                 keep_finished_s: float = 0.0,
+                 run_ended: RunEnded | None = None,
                  clock: Callable[[], float] = time.time,
                  token: Callable[[], str] = _token,
                  assigned_attempt: AssignedAttempt | None = None,
@@ -134,6 +140,8 @@ class CheckpointStore:
         self.max_bytes = max_bytes
         self.retention = retention or RetentionPolicy()
         self.gc_grace_s = gc_grace_s
+        self.keep_finished_s = keep_finished_s
+        self._run_ended = run_ended
         self._clock = clock
         self._token = token
         self._assigned_attempt = assigned_attempt
@@ -382,19 +390,47 @@ class CheckpointStore:
         return existed
 
     async def collect_garbage(self) -> GcReport:
-        """Mark every chunk a manifest references, sweep the rest once past the grace
+        """Remove the manifests of runs that ended more than `keep_finished_s` ago, mark
+        every chunk the other manifests reference, sweep the rest once past the grace
         period. An unreadable manifest stops the sweep: its chunks might be needed."""
         marked_at = self._clock()
-        manifests = await self._index.list(ALL_KEYS, strict=True)
-        referenced = mark(manifests)
-        files = await asyncio.to_thread(lambda: list(self.chunks.files()))
-        decision = sweep(files, referenced, marked_at=marked_at, grace_s=self.gc_grace_s)
-        sizes = {f.id: f.size for f in files}
+        # A batch of manifests at a time, and the chunk files as they are listed: what a
+        # round holds is the set of referenced chunk ids, not every manifest and file
+        # the store keeps (holding those made its memory grow with what it stores).
+        referenced: set[str] = set()
+        expired_runs: dict[str, bool] = {}
+        manifests = expired = 0
+        async for batch in self._index.batches(ALL_KEYS, strict=True):
+            kept = []
+            for manifest in batch:
+                if await self._expired(manifest, expired_runs, marked_at):
+                    await self._index.delete(ref_of(manifest))
+                    expired += 1
+                else:
+                    kept.append(manifest)
+            mark(kept, referenced)
+            manifests += len(batch)
+        decision = await asyncio.to_thread(lambda: sweep(
+            self.chunks.files(), referenced, marked_at=marked_at, grace_s=self.gc_grace_s))
         deleted = await asyncio.to_thread(self._delete_chunks, decision.delete, decision.cutoff)
         temp = await asyncio.to_thread(self.chunks.remove_temp_files, decision.cutoff)
-        return GcReport(manifests=len(manifests), referenced=decision.referenced,
+        return GcReport(manifests=manifests, expired=expired, referenced=decision.referenced,
                         young=decision.young, deleted=len(deleted),
-                        freed_bytes=sum(sizes[c] for c in deleted), temp_removed=temp)
+                        freed_bytes=sum(decision.sizes[c] for c in deleted), temp_removed=temp)
+
+    async def _expired(self, manifest: Manifest, runs: dict[str, bool], now: float) -> bool:
+        """Whether the manifest's run ended more than keep_finished ago (asked once per
+        run and round; `runs` remembers the answers)."""
+        if self._run_ended is None or self.keep_finished_s <= 0:
+            return False
+        run_id = ref_of(manifest).run_id
+        if run_id not in runs:
+            ended_at = await self._run_ended(run_id)
+            runs[run_id] = run_expired(ended_at, now=now, keep_finished_s=self.keep_finished_s)
+            if runs[run_id]:
+                log.info("checkpoint.run_expired", run_id=run_id, ended_at=ended_at,
+                         keep_finished_s=self.keep_finished_s)
+        return runs[run_id]
 
     def _delete_chunks(self, chunk_ids: Sequence[str], cutoff: float) -> Sequence[str]:
         deleted = [c for c in chunk_ids if self.chunks.delete_if_older(c, cutoff)]

@@ -130,6 +130,9 @@ class CheckpointSection(msgspec.Struct, frozen=True, kw_only=True):
     gc_interval: Duration = 600.0
     # An unreferenced chunk younger than this stays: it may belong to an upload in progress.
     gc_grace: Duration = 3600.0
+    # A finished run's checkpoints are removed this long after it ended (0: kept for ever;
+    # without a limit the store grows with every run ever checkpointed).
+    keep_finished: Duration = 30 * 86400.0
 
 
 class ReportSection(msgspec.Struct, frozen=True, kw_only=True):

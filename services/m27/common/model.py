@@ -206,6 +206,18 @@ class RunRecord(msgspec.Struct, frozen=True, kw_only=True):
         return next((s for s in self.steps if s.name == name), None)
 
 
+class RunEnd(msgspec.Struct, frozen=True):
+    """Whether and when a run ended: the part of its stored record (KV m27_runs holds
+    `{"run": RunRecord, ...}`, `orchestrator.runs.StoredRun`) the checkpoint-store reads."""
+
+    state: RunState
+    ended_at: float | None = None
+
+
+class StoredRunEnd(msgspec.Struct, frozen=True):
+    run: RunEnd
+
+
 class SecretSet(msgspec.Struct, frozen=True, kw_only=True):
     """One set of a run's secret environment values, as stored in m27_secrets."""
 

@@ -203,6 +203,7 @@ def permissions(who: Principal) -> Permissions:
             subjects.task_events("*", "*", subjects.CHECKPOINT_STORE_SENDER),
             *kv_write(subjects.CHECKPOINTS_BUCKET), *kv_read(subjects.CHECKPOINTS_BUCKET),
             *kv_read(subjects.FENCES_BUCKET),
+            *kv_read(subjects.RUNS_BUCKET),  # when a run ended: `[checkpoint] keep_finished`
             *service_entry("checkpoint-store"),
         )
     elif who.role == "telegram":

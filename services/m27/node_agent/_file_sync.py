@@ -61,6 +61,15 @@ class FileCheckpoints:
         default_factory=remote_stores)
 
 
+def close(sink: CheckpointSink) -> None:
+    """Close a sink that holds a connection (a RemoteStore's gRPC channel; uploads left
+    theirs to the garbage collector until the soak's store was looked into); local sinks
+    hold none."""
+    closer = getattr(sink, "close", None)
+    if closer is not None:
+        closer()
+
+
 async def restore_files(open_store: Callable[[str, str, int], CheckpointSink], store: str,
                         task_id: str, attempt: int, checkpoint_dir: Path,
                         outage_s: float = RESTORE_OUTAGE_S) -> Manifest | None:
@@ -89,9 +98,7 @@ async def restore_files(open_store: Callable[[str, str, int], CheckpointSink], s
         except Exception as exc:  # the store's errors, OSError, a damaged manifest
             raise CannotStart(f"could not restore the step's checkpoint files: {exc}") from exc
         finally:
-            close = getattr(sink, "close", None)
-            if close is not None:
-                close()
+            close(sink)
         await asyncio.sleep(wait)
         wait = min(wait * 2, 5.0)
 
@@ -152,9 +159,7 @@ class FileSync:
             log.warning("task.checkpoint_not_protected", error=str(exc) or type(exc).__name__)
             return
         finally:
-            close = getattr(sink, "close", None)
-            if close is not None:
-                close()
+            close(sink)
         log.info("task.checkpoint_protected", checkpoint_id=checkpoint_id or None,
                  why="none before the anomaly" if not checkpoint_id else reason)
 
@@ -175,6 +180,8 @@ class FileSync:
             log.warning("task.checkpoint_files_upload_failed", why=why,
                         error=str(exc) or type(exc).__name__)
             return
+        finally:
+            close(sink)
         if manifest is not None:
             log.info("task.checkpoint_files_uploaded", why=why,
                      checkpoint_id=manifest.checkpoint_id, files=len(manifest.entries),

@@ -13,6 +13,7 @@ from m27.checkpoint_store._retention import (
     choose_protected,
     choose_retained,
     mark,
+    run_expired,
     sweep,
 )
 from m27.common.checkpoint_api import CheckpointSummary
@@ -169,3 +170,19 @@ def test_which_checkpoint_an_anomaly_protects(steps: list[int | None], before_st
     summaries = [summary(i, step=step) for i, step in enumerate(steps, start=1)]
     chosen = choose_protected(summaries, before_step, before)
     assert (chosen.seq if chosen else None) == expected
+
+
+TIMES = st.floats(min_value=0, max_value=4e9, allow_nan=False)
+
+
+@given(ended=st.none() | TIMES, now=TIMES, keep=st.floats(min_value=0, max_value=1e9),
+       later=st.floats(min_value=0, max_value=1e9))
+def test_a_run_expires_only_once_ended_and_past_keep_finished_and_stays_expired(
+        ended: float | None, now: float, keep: float, later: float) -> None:
+    expired = run_expired(ended, now=now, keep_finished_s=keep)
+    if ended is None or keep == 0:
+        assert not expired  # still going, unknown, or kept for ever
+    else:
+        assert expired == (now - ended >= keep)
+    if expired:  # time only moves it further past
+        assert run_expired(ended, now=now + later, keep_finished_s=keep)

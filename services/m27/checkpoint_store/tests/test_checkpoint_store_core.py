@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+import weakref
 from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 
@@ -15,7 +16,7 @@ import pytest
 import zstandard
 
 from m27.checkpoint_store._chunks import ChunkStore
-from m27.checkpoint_store._index import MemoryManifestIndex
+from m27.checkpoint_store._index import ALL_KEYS, Batch, MemoryManifestIndex
 from m27.checkpoint_store._retention import RetentionPolicy
 from m27.checkpoint_store._store import CheckpointStore, upload_limit
 from m27.common import events
@@ -320,6 +321,101 @@ async def test_gc_removes_only_unreferenced_chunks_past_the_grace_period(
     remaining = {c.id for c in store.chunks.files()}
     assert remaining == chunk_ids(new) | {young}
     assert await restore(store, new) == {"shared": shared, "w": b"new" * 100}
+
+
+async def test_a_finished_runs_checkpoints_go_keep_finished_after_it_ended(
+        tmp_path: Path) -> None:
+    """A run that ended more than keep_finished ago loses its checkpoints (protected ones
+    too) and the chunks only they used; a run still going, one that ended recently and one
+    the store cannot find keep theirs, and so does a chunk another run shares."""
+    clock = Clock(time.time())  # the chunk files' times are real ones
+    other_run, unknown_run = "r-20240101-120000-def456", "r-20240101-120000-0a0b0c"
+    ended = {RUN: clock.now - 7 * 86400, other_run: None}
+    asked: list[str] = []
+
+    async def run_ended(run_id: str) -> float | None:
+        asked.append(run_id)
+        return ended.get(run_id)
+
+    store = make_store(tmp_path / "root", clock=clock, gc_grace_s=0,
+                       keep_finished_s=86400, run_ended=run_ended)
+    shared = floats(5_000, seed=1).tobytes()
+    first = await upload(store, {"shared": shared, "w": b"old run" * 50}, step=1)
+    await upload(store, {"shared": shared, "w": b"old run, later" * 50}, first, step=2)
+    assert await store.protect(TASK, 0, 2, 0.0, "a NaN") == first.checkpoint_id
+    going = await upload(store, {"shared": shared, "w": b"still going" * 50},
+                         task_id=f"{other_run}/train")
+    unknown = await upload(store, {"w": b"whose?" * 50}, task_id=f"{unknown_run}/train")
+    clock.now += 1
+    report = await store.collect_garbage()
+    assert report.expired == 2
+    assert report.manifests == 4
+    assert await store.list(run_id=RUN) == []
+    assert sorted(asked) == sorted([RUN, other_run, unknown_run])  # once per run and round
+    kept = chunk_ids(going) | chunk_ids(unknown)
+    assert {c.id for c in store.chunks.files()} == kept
+    assert await restore(store, going) == {"shared": shared, "w": b"still going" * 50}
+
+    ended[other_run] = clock.now - 3600  # ended an hour ago: kept for a day
+    assert (await store.collect_garbage()).expired == 0
+    clock.now += 86400
+    assert (await store.collect_garbage()).expired == 1
+    assert {c.id for c in store.chunks.files()} == chunk_ids(unknown)
+
+
+async def test_keep_finished_zero_keeps_every_finished_run(tmp_path: Path) -> None:
+    async def long_ago(run_id: str) -> float | None:
+        return 0.0
+
+    store = make_store(tmp_path / "root", gc_grace_s=0, keep_finished_s=0,
+                       run_ended=long_ago)
+    manifest = await upload(store, {"w": b"kept" * 10})
+    assert (await store.collect_garbage()).expired == 0
+    assert [s.checkpoint_id for s in await store.list(TASK)] == [manifest.checkpoint_id]
+
+
+class _Batch(list[Manifest]):
+    """A batch that can be watched (a plain list takes no weak reference)."""
+
+
+class WatchedIndex(MemoryManifestIndex):
+    """Yields small batches and records how many earlier ones were still alive whenever
+    the next one was asked for; a listing of everything at once is refused."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.alive_at_next: list[int] = []
+
+    async def list(self, pattern: str, *, strict: bool = False) -> list[Manifest]:
+        assert pattern != ALL_KEYS, "garbage collection must read a batch at a time"
+        return await super().list(pattern, strict=strict)
+
+    async def batches(self, pattern: str, *,
+                      strict: bool = False) -> AsyncIterator[Batch]:
+        found = await super().list(pattern, strict=strict)
+        given: list[weakref.ref[_Batch]] = []
+        for start in range(0, len(found), 2):
+            batch = _Batch(found[start:start + 2])
+            self.alive_at_next.append(sum(ref() is not None for ref in given))
+            given.append(weakref.ref(batch))
+            yield batch
+            del batch
+
+
+async def test_garbage_collection_holds_one_batch_of_manifests_at_a_time(
+        tmp_path: Path) -> None:
+    """Found by the soak: a round held every manifest the store keeps at once, so the
+    store's memory grew with every checkpoint it kept."""
+    index = WatchedIndex()
+    store = make_store(tmp_path / "root", index=index, gc_grace_s=0)
+    tasks = [f"r-20240101-120000-{i:06x}/train" for i in range(7)]
+    kept = [await upload(store, {"w": task.encode() * 30}, task_id=task) for task in tasks]
+    await store.put_chunks(TASK, 0, stream(plan({"w": b"orphan"})[1]))
+    report = await store.collect_garbage()
+    assert (report.manifests, report.deleted) == (7, 1)
+    assert len(index.alive_at_next) == 4
+    assert max(index.alive_at_next) <= 1
+    assert {c.id for c in store.chunks.files()} == set().union(*map(chunk_ids, kept))
 
 
 async def test_an_unreadable_manifest_stops_the_sweep(tmp_path: Path) -> None:
