@@ -276,7 +276,8 @@ def header(args: argparse.Namespace) -> dict[str, Any]:
     return {"mode": args.mode, "agents": args.agents,
             "gpus_per_agent": f"{args.gpus} (simulated: no GPU is used)",
             "machine": platform.platform(), "cpus": os.cpu_count(),
-            "python": sys.version.split()[0], "load_start": list(os.getloadavg())}
+            "python": sys.version.split()[0], "load_start": list(os.getloadavg()),
+            "env": list(args.env)}
 
 
 def say(text: str) -> None:
@@ -399,7 +400,8 @@ class System:
     """A Cluster with a bus connection, a gRPC stub and a working directory for the steps."""
 
     def __init__(self, root: Path, args: argparse.Namespace) -> None:
-        self.cluster = Cluster(root, nodes=args.agents, gpus=args.gpus)
+        self.cluster = Cluster(root, nodes=args.agents, gpus=args.gpus,
+                               env=dict(pair.split("=", 1) for pair in args.env))
         self.work = root / "work"
         self.work.mkdir()
         self.finals = Finals()
@@ -733,6 +735,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="soak mode: an RSS trend above this is a suspected leak")
     parser.add_argument("--out", default="",
                         help="write the result here as JSON (soak mode: with every sample)")
+    parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
+                        help="environment for every service, e.g. a config key "
+                        "(M27_CHECKPOINT_KEEP_FINISHED=10m); repeatable")
     parser.add_argument("--keep", action="store_true",
                         help="keep the system's directory (logs under <it>/logs) afterwards")
     parser.add_argument("--json", action="store_true")
@@ -741,6 +746,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         args.agents = {"tasks": 20, "submit": 4, "soak": 8}[args.mode]
     if args.steps_per_run < 4:
         parser.error("--steps-per-run must be at least 4")
+    if bad := [pair for pair in args.env if "=" not in pair]:
+        parser.error(f"--env takes NAME=VALUE, got {bad[0]!r}")
     return args
 
 

@@ -9,10 +9,14 @@ a few uploads before the next task (a new run) takes its place. It samples the s
 and where it lives (`/proc/PID/smaps`: the brk heap, anonymous mappings, the rest).
 
 Variants, to tell the causes apart:
-  --channel per-upload   a new gRPC channel for every upload, never closed, as the agent
-                         did (the default); `shared`: one channel per worker
+  --channel per-upload   a new gRPC channel for every upload, closed after it, as the
+                         agent does (the default); `shared`: one channel per worker
   --gc-interval S        the store's garbage collection every S seconds (0: never)
   --quiet-after S        uploads stop after S seconds, GC rounds go on
+  --finished-runs        each task's run is recorded as ended after its uploads (a record
+                         in m27_runs, as the orchestrator writes it), so that
+                         `[checkpoint] keep_finished` (--env M27_CHECKPOINT_KEEP_FINISHED=…)
+                         removes its checkpoints; without it the store keeps everything
   --env NAME=VALUE       extra environment for the store (MALLOC_ARENA_MAX=2, ...)
 
     python bench/store_memory.py --duration 600 --workers 4 [--channel shared] [--out m.json]
@@ -21,6 +25,7 @@ Variants, to tell the causes apart:
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import platform
@@ -28,18 +33,24 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from load import memory_mib, say, trend_per_hour
 
 from m27.client.checkpoints import RemoteStore
+from m27.common import subjects
 from m27.common.api_auth import ApiAccess
+from m27.common.bus import NatsBus
+from m27.common.model import RunRecord
 from m27.node_agent import _checkpoint_files
+from m27.orchestrator.runs import StoredRun
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from tests.support import Cluster  # the same helper the tests use
+
+T = TypeVar("T")
 
 
 def smaps_mib(pid: int) -> dict[str, float]:
@@ -64,10 +75,12 @@ class Uploads:
     """Worker threads uploading checkpoint files as a node-agent does."""
 
     def __init__(self, address: str, access: ApiAccess, root: Path, *, workers: int,
-                 per_task: int, file_bytes: int, shared_channel: bool) -> None:
+                 per_task: int, file_bytes: int, shared_channel: bool,
+                 ended: Callable[[str], None] | None) -> None:
         self.address, self.access, self.root = address, access, root
         self.workers, self.per_task, self.file_bytes = workers, per_task, file_bytes
         self.shared_channel = shared_channel
+        self.ended = ended
         self.count = 0
         self.failed = 0
         self.stop = threading.Event()
@@ -95,10 +108,40 @@ class Uploads:
                     with self._lock:
                         self.failed += 1
                     say(f"worker {worker}: upload failed: {exc}")
+                finally:
+                    if sink is not shared:
+                        sink.close()
                 with self._lock:
                     self.count += 1
+            if self.ended is not None:
+                self.ended(run_id)
         if shared is not None:
             shared.close()
+
+
+class RunRecorder:
+    """Writes a finished run's record into m27_runs, as the orchestrator stores it, from
+    any thread (its own event loop and NATS connection)."""
+
+    def __init__(self, nats_url: str) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.bus = self._wait(NatsBus.open(nats_url, name="bench-store-memory"))
+
+    def _wait(self, work: Coroutine[Any, Any, T]) -> T:
+        return asyncio.run_coroutine_threadsafe(work, self.loop).result(timeout=60)
+
+    def ended(self, run_id: str) -> None:
+        now = time.time()
+        record = RunRecord(run_id=run_id, name="bench", user="bench", urgency="normal",
+                           state="succeeded", created_at=now, steps=(), ended_at=now)
+        self._wait(self.bus.kv_put(subjects.RUNS_BUCKET, run_id, StoredRun(run=record)))
+
+    def close(self) -> None:
+        self._wait(self.bus.close())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=10)
 
 
 def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
@@ -106,12 +149,14 @@ def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
            **dict(pair.split("=", 1) for pair in args.env)}
     cluster = Cluster(root, nodes=0, env=env)
     cluster.start()
+    recorder = RunRecorder(cluster.nats_url) if args.finished_runs else None
     try:
         store = cluster.processes["checkpoint-store"]
         uploads = Uploads(store.grpc_address, cluster.access, root / "files",
                           workers=args.workers, per_task=args.per_task,
                           file_bytes=args.file_kib * 1024,
-                          shared_channel=args.channel == "shared")
+                          shared_channel=args.channel == "shared",
+                          ended=recorder.ended if recorder else None)
         threads = [threading.Thread(target=uploads.run, args=(i,), daemon=True)
                    for i in range(args.workers)]
         began = time.monotonic()
@@ -134,6 +179,8 @@ def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
         for thread in threads:
             thread.join(timeout=120)
     finally:
+        if recorder is not None:
+            recorder.close()
         cluster.stop()
     return summary(args, samples, uploads.failed)
 
@@ -170,6 +217,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--quiet-after", type=float, metavar="S",
                         help="stop uploading after S seconds; GC rounds go on over what is "
                         "stored (a leak per round grows; a high-water mark does not)")
+    parser.add_argument("--finished-runs", action="store_true",
+                        help="record each task's run as ended after its uploads")
     parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
                         help="extra environment for the services")
     parser.add_argument("--sample-every", type=float, default=10.0)
