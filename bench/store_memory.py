@@ -17,7 +17,7 @@ Variants, to tell the causes apart:
                          in m27_runs, as the orchestrator writes it), so that
                          `[checkpoint] keep_finished` (--env M27_CHECKPOINT_KEEP_FINISHED=…)
                          removes its checkpoints; without it the store keeps everything
-  --env NAME=VALUE       extra environment for the store (MALLOC_ARENA_MAX=2, ...)
+  --env NAME=VALUE       extra environment for the services (MALLOC_ARENA_MAX=2, ...)
 
     python bench/store_memory.py --duration 600 --workers 4 [--channel shared] [--out m.json]
 """
@@ -225,7 +225,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=float, default=60.0,
                         help="samples before this are left out of the trend (s)")
     parser.add_argument("--out", type=Path, help="write the result as JSON")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if bad := [pair for pair in args.env if "=" not in pair]:
+        parser.error(f"--env takes NAME=VALUE, got {bad[0]!r}")
+    return args
 
 
 def main() -> None:

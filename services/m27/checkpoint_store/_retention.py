@@ -92,10 +92,12 @@ class SweepDecision(msgspec.Struct, frozen=True, kw_only=True):
     cutoff: float  # chunks modified before this (unix time) could go
 
 
-def run_expired(ended_at: float | None, *, now: float, keep_finished_s: float) -> bool:
-    """Whether a run's checkpoints have outlived `keep_finished_s` since the run ended
-    (`ended_at` None: queued, running or unknown — kept; `keep_finished_s` 0: for ever)."""
-    return keep_finished_s > 0 and ended_at is not None and now - ended_at >= keep_finished_s
+def removal_time(ended_at: float | None, keep_finished_s: float) -> float | None:
+    """When a run's checkpoints go: `keep_finished_s` after the run ended; None while it
+    has not (queued, running, unknown to the store) or with `keep_finished_s` 0 (never)."""
+    if ended_at is None or keep_finished_s <= 0:
+        return None
+    return ended_at + keep_finished_s
 
 
 def mark(manifests: Iterable[Manifest], found: set[str] | None = None) -> set[str]:

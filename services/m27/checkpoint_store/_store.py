@@ -46,7 +46,7 @@ from m27.checkpoint_store._retention import (
     choose_protected,
     choose_retained,
     mark,
-    run_expired,
+    removal_time,
     sweep,
 )
 from m27.common import events
@@ -358,7 +358,17 @@ class CheckpointStore:
         else:
             pattern = run_pattern(parse_run_id(run_id))
         found = await self._index.list(pattern)
-        return [summarize(m) for m in sorted(found, key=lambda m: (m.task_id, m.checkpoint_id))]
+        removal: dict[str, float | None] = {}
+        for run_id in {ref_of(m).run_id for m in found}:
+            removal[run_id] = await self._removed_at(run_id)
+        return [msgspec.structs.replace(summarize(m), removed_at=removal[ref_of(m).run_id])
+                for m in sorted(found, key=lambda m: (m.task_id, m.checkpoint_id))]
+
+    async def _removed_at(self, run_id: str) -> float | None:
+        """When GC removes the run's checkpoints (`keep_finished` after it ended)."""
+        if self._run_ended is None or self.keep_finished_s <= 0:
+            return None
+        return removal_time(await self._run_ended(run_id), self.keep_finished_s)
 
     async def protect(self, task_id: str, attempt: int, before_step: int | None,
                       before: float, reason: str) -> str:
@@ -422,13 +432,13 @@ class CheckpointStore:
         """Whether the manifest's run ended more than keep_finished ago (asked once per
         run and round; `runs` remembers the answers)."""
         if self._run_ended is None or self.keep_finished_s <= 0:
-            return False
+            return False  # no need to ask
         run_id = ref_of(manifest).run_id
         if run_id not in runs:
-            ended_at = await self._run_ended(run_id)
-            runs[run_id] = run_expired(ended_at, now=now, keep_finished_s=self.keep_finished_s)
+            removed_at = await self._removed_at(run_id)
+            runs[run_id] = removed_at is not None and now >= removed_at
             if runs[run_id]:
-                log.info("checkpoint.run_expired", run_id=run_id, ended_at=ended_at,
+                log.info("checkpoint.run_expired", run_id=run_id, removed_at=removed_at,
                          keep_finished_s=self.keep_finished_s)
         return runs[run_id]
 

@@ -22,7 +22,7 @@ from typing import Final
 import msgspec
 import zstandard
 
-from m27.cli._common import Subparsers, add, print_json, service_address
+from m27.cli._common import Subparsers, add, print_json, service_address, when
 from m27.cli._live import progress
 from m27.client.checkpoints import RemoteStore
 from m27.common.checkpoint_api import CheckpointSummary, StorageUnavailable
@@ -116,6 +116,16 @@ def render_list(summaries: Sequence[CheckpointSummary], now: float) -> list[str]
         if summary.protected:
             lines[index] += "  [protected]"
     lines += [f"[protected] {s.checkpoint_id}: {s.protected}" for s in summaries if s.protected]
+    # one run's checkpoints all go together, keep_finished after it ended
+    removal = min((s.removed_at for s in summaries if s.removed_at is not None), default=None)
+    if removal is not None:
+        left = removal - now
+        due = "at the next garbage collection" if left <= 0 else \
+            f"in {left / 86400:.1f} days" if left >= 2 * 86400 else f"in {format_duration(left)}"
+        lines.append(f"These checkpoints are removed on {when(removal)} ({due}): the run "
+                     "has ended, and the store keeps a finished run's checkpoints for "
+                     "[checkpoint] keep_finished. Restore what you want to keep with "
+                     "`m27 checkpoints restore`.")
     return lines
 
 

@@ -133,6 +133,9 @@ class CheckpointSummary(msgspec.Struct, frozen=True, kw_only=True):
     seq: int = 0
     metadata: dict[str, str] = msgspec.field(default_factory=dict)
     protected: str = ""  # why retention keeps it whatever else it says ("" none)
+    #: When it goes with the rest of its run's: the run's end + `[checkpoint] keep_finished`
+    #: (None while the run goes on, or when they are kept for ever).
+    removed_at: float | None = None
 
 
 def summarize(manifest: Manifest) -> CheckpointSummary:
@@ -169,6 +172,8 @@ def summary_to_proto(summary: CheckpointSummary) -> pb.CheckpointSummary:
         message.step = summary.step
     if summary.epoch is not None:
         message.epoch = summary.epoch
+    if summary.removed_at is not None:
+        message.removed_at = summary.removed_at
     return message
 
 
@@ -180,7 +185,8 @@ def summary_from_proto(message: pb.CheckpointSummary) -> CheckpointSummary:
         epoch=message.epoch if message.HasField("epoch") else None,
         created_at=message.created_at, size_bytes=message.size_bytes,
         new_bytes=message.new_bytes, full=message.full, entries=message.entries,
-        seq=message.seq, metadata=dict(message.metadata), protected=message.protected)
+        seq=message.seq, metadata=dict(message.metadata), protected=message.protected,
+        removed_at=message.removed_at if message.HasField("removed_at") else None)
 
 
 def manifest_json(manifest: Manifest) -> str:

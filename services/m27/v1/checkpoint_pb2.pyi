@@ -359,6 +359,7 @@ class CheckpointSummary(_message.Message):
     SEQ_FIELD_NUMBER: _builtins.int
     METADATA_FIELD_NUMBER: _builtins.int
     PROTECTED_FIELD_NUMBER: _builtins.int
+    REMOVED_AT_FIELD_NUMBER: _builtins.int
     task_id: _builtins.str
     checkpoint_id: _builtins.str
     attempt: _builtins.int
@@ -378,6 +379,10 @@ class CheckpointSummary(_message.Message):
     """1, 2, 3, … per task in commit order (retention's "every Mth")"""
     protected: _builtins.str
     """why retention keeps it whatever else it says ("" none)"""
+    removed_at: _builtins.float
+    """When garbage collection removes it with the rest of its run's checkpoints: the run
+    ended, plus [checkpoint] keep_finished (unset while the run goes on, or kept for ever).
+    """
     @_builtins.property
     def metadata(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]: ...
     def __init__(
@@ -397,17 +402,22 @@ class CheckpointSummary(_message.Message):
         seq: _builtins.int = ...,
         metadata: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
         protected: _builtins.str = ...,
+        removed_at: _builtins.float | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_epoch", b"_epoch", "_step", b"_step", "epoch", b"epoch", "step", b"step"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_epoch", b"_epoch", "_removed_at", b"_removed_at", "_step", b"_step", "epoch", b"epoch", "removed_at", b"removed_at", "step", b"step"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_epoch", b"_epoch", "_step", b"_step", "attempt", b"attempt", "checkpoint_id", b"checkpoint_id", "created_at", b"created_at", "entries", b"entries", "epoch", b"epoch", "full", b"full", "metadata", b"metadata", "name", b"name", "new_bytes", b"new_bytes", "protected", b"protected", "seq", b"seq", "size_bytes", b"size_bytes", "step", b"step", "task_id", b"task_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_epoch", b"_epoch", "_removed_at", b"_removed_at", "_step", b"_step", "attempt", b"attempt", "checkpoint_id", b"checkpoint_id", "created_at", b"created_at", "entries", b"entries", "epoch", b"epoch", "full", b"full", "metadata", b"metadata", "name", b"name", "new_bytes", b"new_bytes", "protected", b"protected", "removed_at", b"removed_at", "seq", b"seq", "size_bytes", b"size_bytes", "step", b"step", "task_id", b"task_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__epoch: _TypeAlias = _typing.Literal["epoch"]  # noqa: Y015
     _WhichOneofArgType__epoch: _TypeAlias = _typing.Literal["_epoch", b"_epoch"]  # noqa: Y015
+    _WhichOneofReturnType__removed_at: _TypeAlias = _typing.Literal["removed_at"]  # noqa: Y015
+    _WhichOneofArgType__removed_at: _TypeAlias = _typing.Literal["_removed_at", b"_removed_at"]  # noqa: Y015
     _WhichOneofReturnType__step: _TypeAlias = _typing.Literal["step"]  # noqa: Y015
     _WhichOneofArgType__step: _TypeAlias = _typing.Literal["_step", b"_step"]  # noqa: Y015
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__epoch) -> _WhichOneofReturnType__epoch | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__removed_at) -> _WhichOneofReturnType__removed_at | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__step) -> _WhichOneofReturnType__step | None: ...
 

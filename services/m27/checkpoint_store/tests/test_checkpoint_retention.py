@@ -13,7 +13,7 @@ from m27.checkpoint_store._retention import (
     choose_protected,
     choose_retained,
     mark,
-    run_expired,
+    removal_time,
     sweep,
 )
 from m27.common.checkpoint_api import CheckpointSummary
@@ -175,14 +175,13 @@ def test_which_checkpoint_an_anomaly_protects(steps: list[int | None], before_st
 TIMES = st.floats(min_value=0, max_value=4e9, allow_nan=False)
 
 
-@given(ended=st.none() | TIMES, now=TIMES, keep=st.floats(min_value=0, max_value=1e9),
-       later=st.floats(min_value=0, max_value=1e9))
-def test_a_run_expires_only_once_ended_and_past_keep_finished_and_stays_expired(
-        ended: float | None, now: float, keep: float, later: float) -> None:
-    expired = run_expired(ended, now=now, keep_finished_s=keep)
+@given(ended=st.none() | TIMES, keep=st.floats(min_value=0, max_value=1e9))
+def test_a_runs_checkpoints_go_keep_finished_after_it_ended_and_never_before(
+        ended: float | None, keep: float) -> None:
+    removed_at = removal_time(ended, keep)
     if ended is None or keep == 0:
-        assert not expired  # still going, unknown, or kept for ever
+        assert removed_at is None  # still going, unknown, or kept for ever
     else:
-        assert expired == (now - ended >= keep)
-    if expired:  # time only moves it further past
-        assert run_expired(ended, now=now + later, keep_finished_s=keep)
+        assert removed_at is not None
+        assert removed_at >= ended
+        assert removed_at - ended == pytest.approx(keep)

@@ -14,6 +14,8 @@ import msgspec
 import numpy as np
 import pytest
 import zstandard
+from hypothesis import given
+from hypothesis import strategies as st
 
 from m27.checkpoint_store._chunks import ChunkStore
 from m27.checkpoint_store._index import ALL_KEYS, Batch, MemoryManifestIndex
@@ -23,11 +25,14 @@ from m27.common import events
 from m27.common.checkpoint_api import (
     CheckpointCorrupt,
     CheckpointNotFound,
+    CheckpointSummary,
     CheckpointTooLarge,
     ChunkMissing,
     ChunksMissing,
     InvalidCheckpointRequest,
     StaleAttempt,
+    summary_from_proto,
+    summary_to_proto,
 )
 from m27.common.checkpoint_format import Manifest, chunk_ids, plan_entry, read_entry
 
@@ -330,7 +335,8 @@ async def test_a_finished_runs_checkpoints_go_keep_finished_after_it_ended(
     the store cannot find keep theirs, and so does a chunk another run shares."""
     clock = Clock(time.time())  # the chunk files' times are real ones
     other_run, unknown_run = "r-20240101-120000-def456", "r-20240101-120000-0a0b0c"
-    ended = {RUN: clock.now - 7 * 86400, other_run: None}
+    ended_at = clock.now - 7 * 86400
+    ended: dict[str, float | None] = {RUN: ended_at, other_run: None}
     asked: list[str] = []
 
     async def run_ended(run_id: str) -> float | None:
@@ -346,6 +352,10 @@ async def test_a_finished_runs_checkpoints_go_keep_finished_after_it_ended(
     going = await upload(store, {"shared": shared, "w": b"still going" * 50},
                          task_id=f"{other_run}/train")
     unknown = await upload(store, {"w": b"whose?" * 50}, task_id=f"{unknown_run}/train")
+    listed = await store.list(run_id=RUN)  # a listing says when they go
+    assert [s.removed_at for s in listed] == [ended_at + 86400] * 2
+    assert [s.removed_at for s in await store.list(run_id=other_run)] == [None]
+    asked.clear()
     clock.now += 1
     report = await store.collect_garbage()
     assert report.expired == 2
@@ -361,6 +371,17 @@ async def test_a_finished_runs_checkpoints_go_keep_finished_after_it_ended(
     clock.now += 86400
     assert (await store.collect_garbage()).expired == 1
     assert {c.id for c in store.chunks.files()} == chunk_ids(unknown)
+
+
+@given(removed_at=st.none() | st.floats(min_value=0, max_value=4e9),
+       step=st.none() | st.integers(min_value=0, max_value=2**62))
+def test_a_summary_crosses_the_wire_unchanged(removed_at: float | None,
+                                              step: int | None) -> None:
+    summary = CheckpointSummary(
+        task_id=TASK, checkpoint_id="c-0000000000001-aaaaaa", attempt=2, name="n", step=step,
+        epoch=None, created_at=1.5, size_bytes=10, new_bytes=3, full=True, entries=1, seq=4,
+        metadata={"kind": "files"}, protected="why", removed_at=removed_at)
+    assert summary_from_proto(summary_to_proto(summary)) == summary
 
 
 async def test_keep_finished_zero_keeps_every_finished_run(tmp_path: Path) -> None:

@@ -60,6 +60,18 @@ def test_a_protected_checkpoint_is_marked_and_says_why() -> None:
                         "at 7")
 
 
+def test_a_finished_runs_listing_says_when_its_checkpoints_go() -> None:
+    going = render_list([summary("c-0000000000001-aaaaaa")], now=1250.0)
+    assert not any("removed" in line for line in going)
+    ended = render_list([summary("c-0000000000001-aaaaaa", removed_at=1250.0 + 86400 * 3)],
+                        now=1250.0)
+    assert ended[-1].startswith("These checkpoints are removed on ")
+    assert "(in 3.0 days)" in ended[-1]
+    assert "keep_finished" in ended[-1]
+    overdue = render_list([summary("c-0000000000001-aaaaaa", removed_at=1000.0)], now=1250.0)
+    assert "(at the next garbage collection)" in overdue[-1]
+
+
 def entry(name: str, kind: str = "file") -> Entry:
     return Entry(name=name, kind=kind, size=0, chunks=())  # type: ignore[arg-type]
 
