@@ -33,6 +33,7 @@ MiB per hour over the samples after --warmup, and CPU %. A process whose trend e
 suspected leak. --out writes the result as JSON (soak mode: with every sample).
 
     python bench/load.py --mode soak [--duration 3600] [--agents 8] [--out soak.json]
+    python bench/load.py --windows soak.json 300 3600    # trends 300–3600 s and 3600 s–end
 
 Every mode takes --json (the result as JSON on stdout; progress goes to stderr).
 """
@@ -41,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import math
 import os
@@ -215,6 +217,30 @@ def memory_verdict(samples: Sequence[tuple[float, float, float]], warmup_s: floa
                          max_mib=max(rss for _, rss, _ in samples), trend_mib_per_h=trend,
                          cpu_pct=cpu,
                          suspected_leak=min(trend, later) > bound_mib_per_h)
+
+
+def nearest(series: Sequence[tuple[float, float]], t: float) -> float:
+    """The value of the sample taken nearest to time `t`."""
+    return min(series, key=lambda point: abs(point[0] - t))[1]
+
+
+def windowed(samples: Sequence[Mapping[str, Any]], edges: Sequence[float]
+             ) -> dict[str, dict[str, Any]]:
+    """From a soak's samples (`--out`), per process: RSS at each edge (the sample nearest
+    it) and the trend (MiB/h) within each window between consecutive edges — whether a
+    growth levels off once, say, the first hour's data starts to expire."""
+    names = {name for sample in samples for name in sample["processes"]}
+    found: dict[str, dict[str, Any]] = {}
+    for name in sorted(names):
+        series = [(s["t"], s["processes"][name]["rss_mib"]) for s in samples
+                  if name in s["processes"] and not math.isnan(s["processes"][name]["rss_mib"])]
+        if not series:
+            continue
+        at = [nearest(series, edge) for edge in edges]
+        trends = [trend_per_hour([p for p in series if start <= p[0] <= end])
+                  for start, end in itertools.pairwise(edges)]
+        found[name] = {"rss_at_mib": at, "trend_mib_per_h": trends}
+    return found
 
 
 # ---------------------------------------------------------------- /proc
@@ -741,6 +767,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--keep", action="store_true",
                         help="keep the system's directory (logs under <it>/logs) afterwards")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--windows", nargs="+", metavar=("SOAK.json", "EDGE"),
+                        help="print a soak's memory table from its --out file, with the RSS "
+                        "trend between the given times (s) and the end, e.g. "
+                        "`--windows soak.json 300 3600`; runs nothing")
     args = parser.parse_args(argv)
     if args.agents is None:
         args.agents = {"tasks": 20, "submit": 4, "soak": 8}[args.mode]
@@ -751,8 +781,24 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def print_windows(path: Path, edges: Sequence[float]) -> None:
+    """The memory table of a soak's JSON (`--out`) with trends between `edges`."""
+    result = json.loads(path.read_text())
+    edges = [*edges, result["samples"][-1]["t"]]
+    spans = [f"trend {a:.0f}–{b:.0f} s" for a, b in itertools.pairwise(edges)]
+    print("| process | " + " | ".join(f"RSS at {e:.0f} s" for e in edges) + " | "
+          + " | ".join(spans) + " |")
+    print("|---" * (1 + len(edges) + len(spans)) + "|")
+    for name, row in windowed(result["samples"], edges).items():
+        print(f"| {name} | " + " | ".join(f"{v:.1f}" for v in row["rss_at_mib"]) + " | "
+              + " | ".join(f"{v:.1f}" for v in row["trend_mib_per_h"]) + " |")
+
+
 def main() -> None:
     args = parse_args()
+    if args.windows:
+        print_windows(Path(args.windows[0]), [float(e) for e in args.windows[1:]])
+        return
     root = Path(tempfile.mkdtemp(prefix="m27-load-", dir=os.environ.get("M27_BENCH_DIR")))
     result: dict[str, Any] | None = None
     try:

@@ -14,6 +14,7 @@ from bench.load import (
     percentile,
     run_sizes,
     trend_per_hour,
+    windowed,
 )
 from m27.pipeline import load_pipeline as parse_pipeline
 
@@ -81,3 +82,16 @@ def test_percentile_is_the_nearest_rank() -> None:
     assert (percentile(values, 0.5), percentile(values, 0.95), percentile(values, 1.0)) == \
         (50.0, 95.0, 100.0)
     assert math.isnan(percentile([], 0.5))
+
+
+def test_a_soak_is_cut_into_windows_each_with_its_own_trend() -> None:
+    """Growth for an hour, then flat: the second window says so, the whole run would not."""
+    samples = [{"t": t, "processes": {"store": {"rss_mib": 70 + min(t, 3600) / 360},
+                                      "gone": {"rss_mib": math.nan}}}
+               for t in range(0, 4801, 20)]
+    table = windowed(samples, [300, 3600, 4800])
+    assert set(table) == {"store"}  # a process with no readings has no row
+    assert table["store"]["rss_at_mib"] == pytest.approx([70 + 300 / 360, 80, 80])
+    first, second = table["store"]["trend_mib_per_h"]
+    assert first == pytest.approx(10.0)
+    assert second == pytest.approx(0.0, abs=1e-9)
