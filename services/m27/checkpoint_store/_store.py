@@ -142,6 +142,10 @@ class CheckpointStore:
         self.gc_grace_s = gc_grace_s
         self.keep_finished_s = keep_finished_s
         self._run_ended = run_ended
+        #: run_id → when it ended, for runs GC found ended and not yet due: their records
+        #: (up to megabytes each) are read again only once due (a retry may have reopened
+        #: the run meanwhile), not every round.
+        self._ended: dict[str, float] = {}
         self._clock = clock
         self._token = token
         self._assigned_attempt = assigned_attempt
@@ -420,6 +424,7 @@ class CheckpointStore:
                     kept.append(manifest)
             mark(kept, referenced)
             manifests += len(batch)
+        self._ended = {run: at for run, at in self._ended.items() if run in expired_runs}
         decision = await asyncio.to_thread(lambda: sweep(
             self.chunks.files(), referenced, marked_at=marked_at, grace_s=self.gc_grace_s))
         deleted = await asyncio.to_thread(self._delete_chunks, decision.delete, decision.cutoff)
@@ -429,17 +434,28 @@ class CheckpointStore:
                         freed_bytes=sum(decision.sizes[c] for c in deleted), temp_removed=temp)
 
     async def _expired(self, manifest: Manifest, runs: dict[str, bool], now: float) -> bool:
-        """Whether the manifest's run ended more than keep_finished ago (asked once per
-        run and round; `runs` remembers the answers)."""
+        """Whether the manifest's run ended more than keep_finished ago (decided once per
+        run and round: `runs`). A run known to have ended is asked about again only once
+        it is due, then afresh: a retry may have reopened it meanwhile."""
         if self._run_ended is None or self.keep_finished_s <= 0:
-            return False  # no need to ask
+            return False
         run_id = ref_of(manifest).run_id
-        if run_id not in runs:
-            removed_at = await self._removed_at(run_id)
-            runs[run_id] = removed_at is not None and now >= removed_at
-            if runs[run_id]:
-                log.info("checkpoint.run_expired", run_id=run_id, removed_at=removed_at,
-                         keep_finished_s=self.keep_finished_s)
+        if run_id in runs:
+            return runs[run_id]
+        runs[run_id] = False
+        known = removal_time(self._ended.get(run_id), self.keep_finished_s)
+        if known is not None and now < known:
+            return False  # ended, not due yet
+        ended_at = await self._run_ended(run_id)
+        removed_at = removal_time(ended_at, self.keep_finished_s)
+        if ended_at is None or removed_at is None:
+            self._ended.pop(run_id, None)  # going (again), or unknown: kept
+            return False
+        self._ended[run_id] = ended_at
+        if now >= removed_at:
+            log.info("checkpoint.run_expired", run_id=run_id, removed_at=removed_at,
+                     keep_finished_s=self.keep_finished_s)
+            runs[run_id] = True
         return runs[run_id]
 
     def _delete_chunks(self, chunk_ids: Sequence[str], cutoff: float) -> Sequence[str]:

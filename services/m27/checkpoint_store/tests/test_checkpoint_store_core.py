@@ -373,6 +373,37 @@ async def test_a_finished_runs_checkpoints_go_keep_finished_after_it_ended(
     assert {c.id for c in store.chunks.files()} == chunk_ids(unknown)
 
 
+async def test_a_run_known_to_have_ended_is_asked_about_again_only_when_due(
+        tmp_path: Path) -> None:
+    """A run's record can be megabytes: GC reads it once it ended and then only when its
+    checkpoints fall due — afresh, since a retry may have reopened the run, whose
+    checkpoints then stay."""
+    clock = Clock(time.time())
+    ended: dict[str, float | None] = {RUN: clock.now}
+    asked: list[str] = []
+
+    async def run_ended(run_id: str) -> float | None:
+        asked.append(run_id)
+        return ended[run_id]
+
+    store = make_store(tmp_path / "root", clock=clock, gc_grace_s=0, keep_finished_s=100,
+                       run_ended=run_ended)
+    await upload(store, {"w": b"kept until due" * 10})
+    for _ in range(3):
+        assert (await store.collect_garbage()).expired == 0
+    assert len(asked) == 1  # known to have ended: not read again before it is due
+    ended[RUN] = None  # retried meanwhile: going again
+    clock.now += 100
+    assert (await store.collect_garbage()).expired == 0
+    assert (await store.collect_garbage()).expired == 0
+    assert len(asked) == 3  # due: read afresh; going: read every round
+    ended[RUN] = clock.now  # the retry ended
+    assert (await store.collect_garbage()).expired == 0
+    clock.now += 100
+    assert (await store.collect_garbage()).expired == 1
+    assert await store.list(TASK) == []
+
+
 @given(removed_at=st.none() | st.floats(min_value=0, max_value=4e9),
        step=st.none() | st.integers(min_value=0, max_value=2**62))
 def test_a_summary_crosses_the_wire_unchanged(removed_at: float | None,
