@@ -12,7 +12,6 @@ again. The directory `m27.train` keeps its own store in when no checkpoint-store
 
 from __future__ import annotations
 
-import mmap
 import os
 import stat
 from collections.abc import Iterator
@@ -52,8 +51,9 @@ def upload(sink: CheckpointSink, task_id: str, attempt: int, root: Path, *,
            level: int, max_bytes: int, now: float) -> Manifest | None:
     """Store the directory's files as a checkpoint; None when there is nothing to store.
 
-    One file at a time (mapped, not read into memory), its new chunks sent before the next
-    file is read; the manifest is committed last, so a crash leaves the previous one."""
+    One file at a time (read into memory: the agent's peak is about the largest file plus
+    its new chunks), its new chunks sent before the next file is read; the manifest is
+    committed last, so a crash leaves the previous one."""
     if not root.is_dir():
         return None
     files = list(checkpoint_files(root, max_bytes))
@@ -82,19 +82,14 @@ def upload(sink: CheckpointSink, task_id: str, attempt: int, root: Path, *,
 
 def _plan_file(name: str, path: Path, before: Entry | None,
                compressor: zstandard.ZstdCompressor) -> tuple[Entry, dict[str, bytes]]:
+    """Read, never mapped: the step may truncate the file while it is read (`echo n >
+    state`), and reading a mapping past a file's new end is SIGBUS — it killed the whole
+    node-agent (found by the soak). A file rewritten meanwhile is read as it then is."""
     with path.open("rb") as file:
-        info = os.fstat(file.fileno())
-        mode = info.st_mode & 0o777
-        if info.st_size == 0:
-            return plan_entry(name, "file", memoryview(b""), before, delta=False,
-                              compressor=compressor, mode=mode)
-        with mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
-            view = memoryview(mapped)
-            try:
-                return plan_entry(name, "file", view, before, delta=False,
-                                  compressor=compressor, mode=mode)
-            finally:
-                view.release()
+        mode = os.fstat(file.fileno()).st_mode & 0o777
+        data = file.read()
+    return plan_entry(name, "file", memoryview(data), before, delta=False,
+                      compressor=compressor, mode=mode)
 
 
 def _latest_files(sink: CheckpointSink, task_id: str) -> Manifest | None:
