@@ -86,6 +86,9 @@ async def test_a_finished_runs_checkpoints_go_keep_finished_after_it_ended(
                     assert time.monotonic() < deadline, "no GC rounds"
                     await asyncio.sleep(0.1)
                 assert len(store.summaries(run_id=going)) == 1
+                # read from the orchestrator's record over the real bus: not ended
+                assert [s.removed_at for s in store.summaries(
+                    run_id=going, with_removal=True)] == [None]
                 assert chunk_files(home) == kept
             release.touch()
             assert (await finished_run(client, going)).state == "succeeded"

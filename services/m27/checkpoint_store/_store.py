@@ -353,8 +353,10 @@ class CheckpointStore:
                 future.cancel()
             await asyncio.gather(*ahead, return_exceptions=True)
 
-    async def list(self, task_id: str = "", run_id: str = "") -> list[CheckpointSummary]:
-        """One task's (or one run's) checkpoints, oldest first."""
+    async def list(self, task_id: str = "", run_id: str = "", *,
+                   with_removal: bool = False) -> list[CheckpointSummary]:
+        """One task's (or one run's) checkpoints, oldest first; `with_removal` fills in when
+        GC removes them, at one read of each listed run's record."""
         if bool(task_id) == bool(run_id):
             raise InvalidCheckpointRequest("List takes exactly one of task_id and run_id")
         if task_id:
@@ -363,9 +365,9 @@ class CheckpointStore:
             pattern = run_pattern(parse_run_id(run_id))
         found = await self._index.list(pattern)
         removal: dict[str, float | None] = {}
-        for run_id in {ref_of(m).run_id for m in found}:
+        for run_id in {ref_of(m).run_id for m in found} if with_removal else ():
             removal[run_id] = await self._removed_at(run_id)
-        return [msgspec.structs.replace(summarize(m), removed_at=removal[ref_of(m).run_id])
+        return [msgspec.structs.replace(summarize(m), removed_at=removal.get(ref_of(m).run_id))
                 for m in sorted(found, key=lambda m: (m.task_id, m.checkpoint_id))]
 
     async def _removed_at(self, run_id: str) -> float | None:

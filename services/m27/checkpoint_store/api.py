@@ -161,7 +161,8 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
     async def List(self, request: pb.ListRequest, context: Context) -> pb.ListResponse:
         with bound_contextvars(task_id=logged(request.task_id or request.run_id)):
             try:
-                summaries = await self._store.list(request.task_id, request.run_id)
+                summaries = await self._store.list(request.task_id, request.run_id,
+                                                    with_removal=request.with_removal)
             except Exception as exc:
                 await _fail(context, exc, "List")
         return pb.ListResponse(checkpoints=[summary_to_proto(s) for s in summaries])

@@ -89,8 +89,8 @@ def connected(args: argparse.Namespace) -> Iterator[RemoteStore]:
 
 def _list(args: argparse.Namespace, run_id: str, step: str) -> int:
     with connected(args) as store:
-        found = store.summaries(task_id=f"{run_id}/{step}") if step else \
-            store.summaries(run_id=run_id)
+        found = store.summaries(task_id=f"{run_id}/{step}", with_removal=True) if step \
+            else store.summaries(run_id=run_id, with_removal=True)
     if args.json:
         print_json(found)
         return 0

@@ -316,9 +316,13 @@ class RemoteStore:
             task_id=task_id, checkpoint_id=checkpoint_id), timeout=self._timeout))
         return manifest_from_json(reply.manifest_json)
 
-    def summaries(self, task_id: str = "", run_id: str = "") -> Summaries:
+    def summaries(self, task_id: str = "", run_id: str = "", *,
+                  with_removal: bool = False) -> Summaries:
+        """One task's (or run's) checkpoints; `with_removal` also says when each goes,
+        at a read of the run's record in the store (leave it off on a hot path)."""
         reply = self._call(lambda: self._stub.List(pb.ListRequest(
-            task_id=task_id, run_id=run_id), timeout=self._timeout))
+            task_id=task_id, run_id=run_id, with_removal=with_removal),
+            timeout=self._timeout))
         return [summary_from_proto(s) for s in reply.checkpoints]
 
     def read_chunks(self, chunk_ids: Sequence[str]) -> Iterator[tuple[str, bytes]]:
@@ -414,10 +418,12 @@ class CheckpointClient:
         except CheckpointNotFound:
             return None
 
-    async def list(self, task_id: str = "", run_id: str = "") -> Summaries:
+    async def list(self, task_id: str = "", run_id: str = "", *,
+                   with_removal: bool = False) -> Summaries:
         with _errors():
-            reply = await self._stub.List(pb.ListRequest(task_id=task_id, run_id=run_id),
-                                          timeout=self._timeout)
+            reply = await self._stub.List(pb.ListRequest(
+                task_id=task_id, run_id=run_id, with_removal=with_removal),
+                timeout=self._timeout)
         return [summary_from_proto(s) for s in reply.checkpoints]
 
     async def read_chunks(self, chunk_ids: Sequence[str]) -> AsyncIterator[tuple[str, bytes]]:

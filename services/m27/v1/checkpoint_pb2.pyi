@@ -304,18 +304,25 @@ class ListRequest(_message.Message):
 
     TASK_ID_FIELD_NUMBER: _builtins.int
     RUN_ID_FIELD_NUMBER: _builtins.int
+    WITH_REMOVAL_FIELD_NUMBER: _builtins.int
     task_id: _builtins.str
     """Exactly one of them: one task's checkpoints, or every step's of one run."""
     run_id: _builtins.str
+    with_removal: _builtins.bool
+    """Fill each summary's removed_at. It costs a read of each listed run's record (which a
+    large sweep's can make megabytes), so a client that lists often, such as a node's
+    agent before each upload, leaves it off; `m27 checkpoints` asks for it.
+    """
     def __init__(
         self,
         *,
         task_id: _builtins.str = ...,
         run_id: _builtins.str = ...,
+        with_removal: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["run_id", b"run_id", "task_id", b"task_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["run_id", b"run_id", "task_id", b"task_id", "with_removal", b"with_removal"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

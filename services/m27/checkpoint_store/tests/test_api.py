@@ -310,3 +310,39 @@ async def test_a_step_token_writes_only_its_own_task_attempt(server: GrpcServer)
             await asyncio.to_thread(other.put_chunks, {"0" * 64: b"x"})
     finally:
         other.close()
+
+
+async def test_a_listing_says_when_checkpoints_go_only_when_asked(tmp_path: Path) -> None:
+    """`with_removal` crosses the wire both ways (both clients); without it, as a node's
+    agent lists before each upload, the store reads no run record."""
+    chunks = ChunkStore(tmp_path / "root")
+    chunks.prepare()
+    asked: list[str] = []
+
+    async def run_ended(run_id: str) -> float | None:
+        asked.append(run_id)
+        return 1000.0
+
+    store = CheckpointStore(chunks, MemoryManifestIndex(), keep_finished_s=60.0,
+                            run_ended=run_ended)
+    server = await serve(store)
+    remote = RemoteStore(server.address, task_id=TASK, timeout_s=10, access=ADMIN)
+    try:
+        await asyncio.to_thread(remote.put_bytes, TASK, b"weights" * 100, attempt=0)
+        plain = await asyncio.to_thread(remote.summaries, TASK)
+        assert [s.removed_at for s in plain] == [None]
+        assert asked == []
+        assert len(await asyncio.to_thread(remote.list, TASK)) == 1
+        assert asked == []
+        asked_for = await asyncio.to_thread(
+            lambda: remote.summaries(run_id=RUN, with_removal=True))
+        assert [s.removed_at for s in asked_for] == [1060.0]
+        assert asked == [RUN]
+        async with ADMIN.channel(server.address, options=CHANNEL_OPTIONS) as channel:
+            client = CheckpointClient(channel, timeout_s=10)
+            assert [s.removed_at for s in await client.list(TASK)] == [None]
+            assert [s.removed_at for s in await client.list(TASK, with_removal=True)] == \
+                [1060.0]
+    finally:
+        remote.close()
+        await server.stop(0)

@@ -352,9 +352,14 @@ async def test_a_finished_runs_checkpoints_go_keep_finished_after_it_ended(
     going = await upload(store, {"shared": shared, "w": b"still going" * 50},
                          task_id=f"{other_run}/train")
     unknown = await upload(store, {"w": b"whose?" * 50}, task_id=f"{unknown_run}/train")
-    listed = await store.list(run_id=RUN)  # a listing says when they go
+    asked.clear()
+    listed = await store.list(task_id=TASK)  # the agent's listing: no run record read
+    assert [s.removed_at for s in listed] == [None, None]
+    assert asked == []
+    listed = await store.list(run_id=RUN, with_removal=True)  # `m27 checkpoints`'s
     assert [s.removed_at for s in listed] == [ended_at + 86400] * 2
-    assert [s.removed_at for s in await store.list(run_id=other_run)] == [None]
+    assert [s.removed_at for s in await store.list(run_id=other_run, with_removal=True)
+            ] == [None]
     asked.clear()
     clock.now += 1
     report = await store.collect_garbage()
