@@ -3,15 +3,24 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 
 import msgspec
+import nats.errors
 import nats.js.errors
 import pytest
 from nats.aio.msg import Msg
 from structlog.testing import capture_logs
 
 from m27.common import events, subjects
-from m27.common.bus import MAX_FAILED_DELIVERIES, Bus, NatsBus, PoisonMessage, consume
+from m27.common.bus import (
+    MAX_FAILED_DELIVERIES,
+    Bus,
+    NatsBus,
+    PoisonMessage,
+    consume,
+    until_settled,
+)
 from m27.common.errors import Unavailable
 from m27.common.memory_bus import MemoryBus
 from m27.common.model import ServiceInfo
@@ -275,3 +284,64 @@ async def test_poison_and_hopeless_messages_are_dead_lettered_transient_ones_ret
     stream = await bus.js.stream_info(subjects.DEAD_STREAM)
     assert stream.state.messages == 2
     await bus.close()
+
+
+async def test_until_settled_asks_again_until_the_bus_answers(nats_url: str) -> None:
+    """What a service cannot start without is asked for again while nobody answers (a
+    fresh or healing cluster), and answered once someone does — on a real server."""
+    bus = await NatsBus.open(nats_url, name="settle")
+    stop = asyncio.Event()
+    attempts: list[float] = []
+
+    async def ask() -> bytes:
+        attempts.append(asyncio.get_running_loop().time())
+        return await bus.request("m27.test.settle", b"?", timeout=1)
+
+    async def answer(msg: Msg) -> None:
+        await msg.respond(b"!")
+
+    try:
+        with capture_logs() as logs:
+            asking = asyncio.create_task(until_settled(ask, what="a test answer", stop=stop,
+                                                       first_s=0.05, max_s=0.2))
+            while len(attempts) < 3:  # refused twice at least: no responders
+                assert not asking.done(), asking
+                await asyncio.sleep(0.01)
+            await bus.nc.subscribe("m27.test.settle", cb=answer)
+            assert await asyncio.wait_for(asking, 10) == b"!"
+        waits = [b - a for a, b in itertools.pairwise(attempts)]
+        assert all(w >= 0.04 for w in waits), waits  # it waited between tries
+        assert all(w <= 1.0 for w in waits), waits  # at most max_s (plus the loop's lag)
+        warned = [e for e in logs if e["event"] == "bus.not_settled"]
+        assert len(warned) >= 2
+        assert {e["what"] for e in warned} == {"a test answer"}
+    finally:
+        await bus.close()
+
+
+async def test_until_settled_raises_a_refusal_at_once_and_any_error_after_stop(
+        nats_url: str) -> None:
+    """A refusal (here: a bucket that does not exist) is not waited out; nor is an
+    unanswered request once the service is stopping."""
+    bus = await NatsBus.open(nats_url, name="settle")
+    stop = asyncio.Event()
+    calls: list[str] = []
+
+    async def put() -> int:
+        calls.append("put")
+        return await bus.kv_put("no_such_bucket", "k", info("x"))
+
+    async def ask() -> bytes:
+        calls.append("ask")
+        return await bus.request("m27.test.nobody", b"?", timeout=1)
+
+    try:
+        with pytest.raises(nats.js.errors.Error):
+            await until_settled(put, what="a put", stop=stop, first_s=0.01)
+        assert calls == ["put"]
+        stop.set()
+        with pytest.raises(nats.errors.NoRespondersError):
+            await until_settled(ask, what="an answer", stop=stop, first_s=0.01)
+        assert calls == ["put", "ask"]
+    finally:
+        await bus.close()

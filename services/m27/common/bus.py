@@ -542,7 +542,10 @@ async def consume(
         filter_subject=filter_subject,
         max_ack_pending=1000,
     )
-    sub = await js.pull_subscribe(filter_subject, durable=durable, stream=stream, config=config)
+    sub = await until_settled(
+        lambda: js.pull_subscribe(filter_subject, durable=durable, stream=stream,
+                                  config=config),
+        what=f"the consumer {durable}", stop=stop)
     me = asyncio.current_task()
     try:
         while not stop.is_set():
@@ -583,6 +586,33 @@ def transient(error: BaseException) -> bool:
     """A failure that trying again later may cure (NATS or a service away, a timeout), as
     opposed to one the same message will meet every time (bad data, a bug)."""
     return isinstance(error, (Unavailable, TimeoutError, ConnectionError, nats.errors.Error))
+
+
+#: The bus away, or a clustered JetStream without a leader for the stream or consumer
+#: (starting, or a member died): nobody answers for a few seconds, and asking again later
+#: is answered. Not a refusal (a wrong config, a permission): asking again gets it again.
+UNSETTLED: Final = (TimeoutError, nats.errors.NoRespondersError,
+                    nats.js.errors.ServiceUnavailableError,
+                    nats.errors.ConnectionClosedError, nats.errors.ConnectionReconnectingError)
+
+
+async def until_settled(op: Callable[[], Awaitable[T]], *, what: str, stop: asyncio.Event,
+                        first_s: float = 0.5, max_s: float = 5.0) -> T:
+    """`op()`, asked again after 0.5, 1 … 5 s while it meets an `UNSETTLED` bus; any other
+    error, or one met after `stop`, is raised. For what a service cannot do without (its
+    registration, its consumers) and that a fresh or healing cluster may not answer at
+    once: without it the service died of a timeout at start (chaos seed 2028)."""
+    delay = first_s
+    while True:
+        try:
+            return await op()
+        except UNSETTLED as exc:
+            if stop.is_set():
+                raise
+            log.warning("bus.not_settled", what=what, error=repr(exc), retry_in_s=delay)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), delay)
+        delay = min(max_s, delay * 2)
 
 
 def retry_delay(deliveries: int, first_s: float = 1.0) -> float:

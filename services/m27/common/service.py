@@ -24,7 +24,7 @@ from typing import Any, Protocol
 from m27 import __version__
 from m27.common import logrotate, subjects
 from m27.common.api_auth import ApiAccess, Keys, load_keys, service_access
-from m27.common.bus import NatsBus, access_for
+from m27.common.bus import NatsBus, access_for, until_settled
 from m27.common.config import Config, LoadedConfig, Overrides, effective, load_config
 from m27.common.errors import M27Error
 from m27.common.grpc_server import GrpcServer, Register, start_server
@@ -148,8 +148,10 @@ class ServiceRuntime:
                            host=socket.gethostname(), started_at=self.started_at,
                            version=__version__, metrics_address=metrics_address,
                            http_address=http_address)
-        await self.nats.kv_put(subjects.SERVICES_BUCKET,
-                               subjects.service_key(self.name, self.instance), info)
+        await until_settled(
+            lambda: self.nats.kv_put(subjects.SERVICES_BUCKET,
+                                     subjects.service_key(self.name, self.instance), info),
+            what="the service's registration", stop=self.stop)
         if self.args.ready_file:
             write_json_atomic(self.args.ready_file,
                               {"name": self.name, "pid": os.getpid(),
