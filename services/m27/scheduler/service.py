@@ -21,7 +21,7 @@ from nats.aio.msg import Msg
 
 from m27.common import bus as bus_module
 from m27.common import events, platform, subjects
-from m27.common.bus import Bus
+from m27.common.bus import Bus, until_settled
 from m27.common.errors import ConfigError
 from m27.common.ids import is_valid_task_id
 from m27.common.leader import FencedBus, Leadership
@@ -457,7 +457,8 @@ async def serve(rt: ServiceRuntime) -> None:
                                               cb=scheduler.on_node_event)
         try:
             await nats.nc.flush()
-            await scheduler.load()
+            # (a fresh or healing cluster may not answer at once: asked again meanwhile)
+            await until_settled(scheduler.load, what="the scheduler's state", stop=rt.stop)
             await rt.ready(metrics_address=metrics[1] if metrics else "")
             async with asyncio.TaskGroup() as acting:
                 acting.create_task(bus_module.consume(
