@@ -345,3 +345,24 @@ async def test_until_settled_raises_a_refusal_at_once_and_any_error_after_stop(
         assert calls == ["put", "ask"]
     finally:
         await bus.close()
+
+
+async def test_until_settled_ends_when_cancelled_while_it_waits(nats_url: str) -> None:
+    """A copy stepping down cancels what it was starting: the wait between tries ends at
+    once, however long it was."""
+    bus = await NatsBus.open(nats_url, name="settle")
+    tried = asyncio.Event()
+
+    async def ask() -> bytes:
+        tried.set()
+        return await bus.request("m27.test.nobody", b"?", timeout=1)
+
+    try:
+        asking = asyncio.create_task(until_settled(ask, what="an answer", stop=asyncio.Event(),
+                                                   first_s=60, max_s=60))
+        await asyncio.wait_for(tried.wait(), 10)
+        asking.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(asking, 5)
+    finally:
+        await bus.close()

@@ -411,6 +411,8 @@ class NatsBus:
                                           json.dumps(request).encode(), timeout=JS_TIMEOUT_S)
             data = json.loads(reply.data)
             if "error" in data:
+                if data["error"].get("code") == 503:  # a cluster without a leader for it
+                    raise nats.js.errors.ServiceUnavailableError(**data["error"])
                 raise BusError(f"cannot list keys of {bucket}: {data['error']}")
             found = (data.get("state") or {}).get("subjects") or {}
             keys.extend(subject[len(prefix):] for subject in found)
@@ -612,6 +614,10 @@ async def until_settled(op: Callable[[], Awaitable[T]], *, what: str, stop: asyn
             log.warning("bus.not_settled", what=what, error=repr(exc), retry_in_s=delay)
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), delay)
+        me = asyncio.current_task()
+        if me is not None and me.cancelling():
+            # asyncio.wait_for (3.11) turned our cancellation into its timeout
+            raise asyncio.CancelledError
         delay = min(max_s, delay * 2)
 
 
