@@ -25,15 +25,17 @@ after a growing pause until it is accepted (latency: until then).
 
 `--mode soak`: a pipeline every --interval seconds (a cpu step, two gpu steps that
 checkpoint every second, a cpu step after them) for --duration seconds over --agents
-agents; every --sample-every seconds the RSS and CPU time of every service and of
-nats-server (from /proc), a table every --print-every seconds (so a killed run still shows
-something), and at the end per process: RSS first/last/max, the least-squares trend in
-MiB per hour over the samples after --warmup, and CPU %. A process whose trend exceeds
---leak-mib-per-hour, over those samples and over their later half, is flagged as a
-suspected leak. --out writes the result as JSON (soak mode: with every sample).
+agents; every --sample-every seconds the RSS (and its anonymous part: heap and stacks,
+not code paged in) and CPU time of every service and of nats-server (from /proc), a
+table every --print-every seconds (so a killed run still shows something), and at the
+end per process: RSS first/last/max, the least-squares trend in MiB per hour over the
+samples after --warmup, and CPU %. A process whose trend exceeds --leak-mib-per-hour,
+over those samples and over their later half, is flagged as a suspected leak. --out
+writes the result as JSON (soak mode: with every sample).
 
     python bench/load.py --mode soak [--duration 3600] [--agents 8] [--out soak.json]
     python bench/load.py --windows soak.json 300 3600    # trends 300–3600 s and 3600 s–end
+                                                         # (of RSS, then anonymous RSS)
 
 Every mode takes --json (the result as JSON on stdout; progress goes to stderr).
 """
@@ -224,22 +226,23 @@ def nearest(series: Sequence[tuple[float, float]], t: float) -> float:
     return min(series, key=lambda point: abs(point[0] - t))[1]
 
 
-def windowed(samples: Sequence[Mapping[str, Any]], edges: Sequence[float]
-             ) -> dict[str, dict[str, Any]]:
-    """From a soak's samples (`--out`), per process: RSS at each edge (the sample nearest
-    it) and the trend (MiB/h) within each window between consecutive edges — whether a
-    growth levels off once, say, the first hour's data starts to expire."""
+def windowed(samples: Sequence[Mapping[str, Any]], edges: Sequence[float],
+             field: str = "rss_mib") -> dict[str, dict[str, Any]]:
+    """From a soak's samples (`--out`), per process: `field` (RSS, or its anonymous part
+    `anon_mib`) at each edge (the sample nearest it) and the trend (MiB/h) within each
+    window between consecutive edges — whether a growth levels off once, say, the first
+    hour's data starts to expire. Samples without `field` (older files) are left out."""
     names = {name for sample in samples for name in sample["processes"]}
     found: dict[str, dict[str, Any]] = {}
     for name in sorted(names):
-        series = [(s["t"], s["processes"][name]["rss_mib"]) for s in samples
-                  if name in s["processes"] and not math.isnan(s["processes"][name]["rss_mib"])]
+        series = [(s["t"], s["processes"][name][field]) for s in samples
+                  if not math.isnan(s["processes"].get(name, {}).get(field, math.nan))]
         if not series:
             continue
         at = [nearest(series, edge) for edge in edges]
         trends = [trend_per_hour([p for p in series if start <= p[0] <= end])
                   for start, end in itertools.pairwise(edges)]
-        found[name] = {"rss_at_mib": at, "trend_mib_per_h": trends}
+        found[name] = {"at_mib": at, "trend_mib_per_h": trends}
     return found
 
 
@@ -251,14 +254,17 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def memory_mib(pid: int) -> tuple[float, float]:
-    """(RSS now, peak RSS) in MiB."""
+def memory_mib(pid: int) -> tuple[float, float, float]:
+    """(RSS now, peak RSS, the anonymous part of RSS now) in MiB. The anonymous part is
+    the heap and stacks; the rest is file-backed (code and libraries paged in as they
+    are first used, which is no leak) and shared memory."""
     found = {}
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         key, _, value = line.partition(":")
-        if key in ("VmRSS", "VmHWM"):
+        if key in ("VmRSS", "VmHWM", "RssAnon"):
             found[key] = int(value.split()[0]) / 1024
-    return found.get("VmRSS", math.nan), found.get("VmHWM", math.nan)
+    return (found.get("VmRSS", math.nan), found.get("VmHWM", math.nan),
+            found.get("RssAnon", math.nan))
 
 
 def processes(cluster: Cluster) -> dict[str, int]:
@@ -271,14 +277,17 @@ def processes(cluster: Cluster) -> dict[str, int]:
 
 
 def usage(pids: Mapping[str, int]) -> dict[str, dict[str, float]]:
-    """CPU seconds, RSS and peak RSS of each process (NaN for one that is gone)."""
+    """CPU seconds, RSS, peak RSS and anonymous RSS of each process (NaN for one that is
+    gone)."""
     found = {}
     for name, pid in pids.items():
         try:
-            rss, peak = memory_mib(pid)
-            found[name] = {"cpu_s": cpu_seconds(pid), "rss_mib": rss, "peak_rss_mib": peak}
+            rss, peak, anon = memory_mib(pid)
+            found[name] = {"cpu_s": cpu_seconds(pid), "rss_mib": rss, "peak_rss_mib": peak,
+                           "anon_mib": anon}
         except (OSError, ValueError, IndexError):
-            found[name] = {"cpu_s": math.nan, "rss_mib": math.nan, "peak_rss_mib": math.nan}
+            found[name] = {"cpu_s": math.nan, "rss_mib": math.nan, "peak_rss_mib": math.nan,
+                           "anon_mib": math.nan}
     return found
 
 
@@ -786,12 +795,17 @@ def print_windows(path: Path, edges: Sequence[float]) -> None:
     result = json.loads(path.read_text())
     edges = [*edges, result["samples"][-1]["t"]]
     spans = [f"trend {a:.0f}–{b:.0f} s" for a, b in itertools.pairwise(edges)]
-    print("| process | " + " | ".join(f"RSS at {e:.0f} s" for e in edges) + " | "
-          + " | ".join(spans) + " |")
-    print("|---" * (1 + len(edges) + len(spans)) + "|")
-    for name, row in windowed(result["samples"], edges).items():
-        print(f"| {name} | " + " | ".join(f"{v:.1f}" for v in row["rss_at_mib"]) + " | "
-              + " | ".join(f"{v:.1f}" for v in row["trend_mib_per_h"]) + " |")
+    for key, what in (("rss_mib", "RSS"), ("anon_mib", "anonymous RSS")):
+        table = windowed(result["samples"], edges, key)
+        if not table:
+            continue  # (a soak written before anonymous RSS was sampled)
+        print(f"\n{what}, MiB and MiB/h:\n")
+        print("| process | " + " | ".join(f"at {e:.0f} s" for e in edges) + " | "
+              + " | ".join(spans) + " |")
+        print("|---" * (1 + len(edges) + len(spans)) + "|")
+        for name, row in table.items():
+            print(f"| {name} | " + " | ".join(f"{v:.1f}" for v in row["at_mib"]) + " | "
+                  + " | ".join(f"{v:.1f}" for v in row["trend_mib_per_h"]) + " |")
 
 
 def main() -> None:

@@ -165,7 +165,7 @@ def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
         samples: list[dict[str, Any]] = []
         while True:
             now = time.monotonic() - began
-            rss, _ = memory_mib(store.pid)
+            rss, _, _ = memory_mib(store.pid)
             samples.append({"t": now, "uploads": uploads.count, "rss_mib": rss,
                             **smaps_mib(store.pid)})
             say(f"t={now:5.0f}s uploads {uploads.count:6d} rss {rss:6.1f} MiB "

@@ -4,12 +4,14 @@ the leak verdict."""
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 
 from bench.load import (
     check_ledger,
     load_pipeline,
+    memory_mib,
     memory_verdict,
     percentile,
     run_sizes,
@@ -91,7 +93,25 @@ def test_a_soak_is_cut_into_windows_each_with_its_own_trend() -> None:
                for t in range(0, 4801, 20)]
     table = windowed(samples, [300, 3600, 4800])
     assert set(table) == {"store"}  # a process with no readings has no row
-    assert table["store"]["rss_at_mib"] == pytest.approx([70 + 300 / 360, 80, 80])
+    assert table["store"]["at_mib"] == pytest.approx([70 + 300 / 360, 80, 80])
     first, second = table["store"]["trend_mib_per_h"]
     assert first == pytest.approx(10.0)
     assert second == pytest.approx(0.0, abs=1e-9)
+
+
+def test_the_anonymous_part_has_its_own_windows_and_older_soaks_have_none() -> None:
+    """RSS that grows only by pages of code read in (file-backed) is no leak: the
+    anonymous part is windowed apart; a soak sampled before it was kept gives no rows."""
+    samples = [{"t": t, "processes": {"agent": {"rss_mib": 80 + t / 360, "anon_mib": 50.0}}}
+               for t in range(0, 3601, 20)]
+    rss, anon = windowed(samples, [0, 3600]), windowed(samples, [0, 3600], "anon_mib")
+    assert rss["agent"]["trend_mib_per_h"] == pytest.approx([10.0])
+    assert anon["agent"]["at_mib"] == [50.0, 50.0]
+    assert anon["agent"]["trend_mib_per_h"] == pytest.approx([0.0], abs=1e-9)
+    older = [{"t": s["t"], "processes": {"agent": {"rss_mib": 80.0}}} for s in samples]
+    assert windowed(older, [0, 3600], "anon_mib") == {}
+
+
+def test_a_live_process_has_an_anonymous_part_within_its_rss() -> None:
+    rss, peak, anon = memory_mib(os.getpid())
+    assert 0 < anon <= rss <= peak
